@@ -1,0 +1,18 @@
+"""accum_sched: scheduled gradient accumulation for distributed PyTorch, exact and in lockstep.
+
+``AccumulationSchedule`` says which factor applies where; ``AccumulationEngine`` applies it to a plain module, a
+DistributedDataParallel module or a DeepSpeed engine. Importing this package never imports DeepSpeed.
+"""
+from accum_sched.schedule import AccumulationSchedule, Position
+
+__version__ = "0.1.0"
+__all__ = ["AccumulationSchedule", "AccumulationEngine", "Position", "StepInfo", "optimizer_steps"]
+
+
+def __getattr__(name):
+    # The engine needs torch; the schedule does not. Keep `import accum_sched` torch-free until the engine is used.
+    if name in ("AccumulationEngine", "StepInfo", "optimizer_steps"):
+        from accum_sched import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'accum_sched' has no attribute {name!r}")

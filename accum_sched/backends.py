@@ -1,0 +1,161 @@
+"""How gradients meet: one small interface, one class per back end.
+
+The engine decides *when* a window ends and *by how much* its gradient must be scaled; a back end knows *how* to
+keep non-boundary micro-batches local, how to backward, and how to scale, clip and step. Torch back ends (single
+process and DDP) share :class:`TorchBackend`; the DeepSpeed back end lives in :mod:`accum_sched.deepspeed_backend`
+and is imported only when a DeepSpeed engine is handed in.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from accum_sched import collective
+
+
+class TorchBackend:
+    """Gradients live in ``param.grad`` and a torch optimizer steps them (single process)."""
+
+    #: True when the gradient collective averages over ranks (DDP), so the engine multiplies by world size.
+    averages_over_world = False
+
+    def __init__(self, model: torch.nn.Module, optimizer, lr_scheduler=None, scaler=None):
+        if optimizer is None:
+            raise ValueError("optimizer is required for a torch model (only a DeepSpeed engine brings its own)")
+        self.model, self.optimizer, self.lr_scheduler, self.scaler = model, optimizer, lr_scheduler, scaler
+        self.world_size = 1
+
+    @property
+    def allreduce_rounds(self) -> int | None:
+        """Gradient all-reduce rounds launched so far (None where they cannot be counted)."""
+        return 0
+
+    @property
+    def allreduce_bytes(self) -> int | None:
+        return 0
+
+    # -- per micro-batch ----------------------------------------------------------------------------------------
+    def sync_context(self, boundary: bool):
+        """Entered around forward AND backward of a micro-batch; only the boundary one may communicate."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+
+    # -- per window ---------------------------------------------------------------------------------------------
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the (already synchronised, unscaled) accumulated gradient, before normalisation."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        grads = self._grads()
+        if not grads:
+            return torch.zeros((), dtype=torch.float64)
+        return torch.nn.utils.get_total_norm(grads, 2.0).double()
+
+    def step(self, coef: float, max_norm: float | None, norm: float, skip: bool) -> None:
+        """Scale the window's gradient by ``coef`` (and clip to ``max_norm``), step, advance the LR, clear."""
+        if not skip:
+            scale = coef
+            if max_norm is not None:
+                total = norm * coef
+                scale *= min(1.0, max_norm / (total + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
+            grads = self._grads()
+            if grads and scale != 1.0:
+                torch._foreach_mul_(grads, scale)
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+            else:
+                self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update()
+        if self.lr_scheduler is not None:
+            with warnings.catch_warnings():  # a skipped first step makes torch warn about the call order
+                warnings.simplefilter("ignore", UserWarning)
+                self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class _Counter:
+    """DDP comm-hook state: counts gradient all-reduce rounds and bytes as they are launched."""
+
+    def __init__(self):
+        self.rounds = 0
+        self.bytes = 0
+
+
+def _counting_allreduce(state: _Counter, bucket):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    buf = bucket.buffer()
+    state.bytes += buf.numel() * buf.element_size()
+    if bucket.is_last():  # one backward = one round, however many buckets it takes
+        state.rounds += 1
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+class DDPBackend(TorchBackend):
+    """DistributedDataParallel: forward and backward of non-boundary micro-batches run under ``no_sync()``."""
+
+    averages_over_world = True
+
+    def __init__(self, model: DistributedDataParallel, optimizer, lr_scheduler=None, scaler=None,
+                 count_allreduce: bool = True):
+        super().__init__(model, optimizer, lr_scheduler, scaler)
+        if getattr(model, "static_graph", False):
+            raise ValueError("DistributedDataParallel(static_graph=True) is not supported: static_graph records the "
+                             "first iterations' reduction order and breaks under no_sync() accumulation; "
+                             "construct DDP without static_graph (find_unused_parameters=True works)")
+        self.world_size = collective.world_size()
+        self._counter = _Counter()
+        if count_allreduce:
+            try:
+                model.register_comm_hook(self._counter, _counting_allreduce)
+            except RuntimeError as exc:  # the user registered a hook of their own: keep it, count nothing
+                warnings.warn(f"gradient all-reduce rounds are not counted: {exc}", stacklevel=3)
+                self._counter = None
+        else:
+            self._counter = None
+
+    @property
+    def allreduce_rounds(self):
+        return None if self._counter is None else self._counter.rounds
+
+    @property
+    def allreduce_bytes(self):
+        return None if self._counter is None else self._counter.bytes
+
+    def sync_context(self, boundary: bool):
+        return contextlib.nullcontext() if boundary else self.model.no_sync()
+
+
+def make_backend(model, optimizer=None, lr_scheduler=None, scaler=None, count_allreduce: bool = True):
+    """Pick the back end for ``model``: a DeepSpeed engine, a DDP module, or a plain module in one process."""
+    if type(model).__name__ == "DeepSpeedEngine" or hasattr(model, "set_gradient_accumulation_boundary"):
+        from accum_sched.deepspeed_backend import DeepSpeedBackend
+
+        return DeepSpeedBackend(model, optimizer=optimizer, lr_scheduler=lr_scheduler)
+    if isinstance(model, DistributedDataParallel):
+        return DDPBackend(model, optimizer, lr_scheduler, scaler, count_allreduce)
+    if collective.world_size() > 1:
+        raise ValueError(f"the process group has {dist.get_world_size()} ranks but the model is not wrapped in "
+                         f"DistributedDataParallel, so gradients would never meet; wrap it: "
+                         f"DistributedDataParallel(model)")
+    return TorchBackend(model, optimizer, lr_scheduler, scaler)

@@ -1,0 +1,359 @@
+"""AccumulationEngine: scheduled gradient accumulation that is exact and keeps ranks in lockstep.
+
+Use from any loop::
+
+    engine = AccumulationEngine(ddp_model, optimizer, {0: 1, 5: 2, 10: 4}, lr_scheduler=sched)
+    for epoch in range(engine.epoch_index, epochs):
+        sampler.set_epoch(epoch)
+        for batch in engine.micro_batches(loader, epoch):
+            with engine.autocast():
+                loss_sum, n = loss_fn(ddp_model, batch)   # sum of element losses, number of elements
+            engine.backward(loss_sum, n)
+
+Rules (see DESIGN.md): windows start at each epoch start; the last window of an epoch may be partial and is stepped
+at the epoch end, never carried over. The optimizer sees the gradient of the mean loss over every element of the
+window on every rank, i.e. exactly one large batch. All ranks agree by collective on the factor, the schedule and the
+number of micro-batches at every epoch start, and on counts, non-finite and stop flags at every window end (one
+all-reduce of five numbers: the only collective per step besides DDP's gradient all-reduce).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from accum_sched import collective
+from accum_sched.backends import make_backend
+from accum_sched.schedule import AccumulationSchedule, Position
+
+log = logging.getLogger("accum_sched")
+
+NORMALIZE = ("elements", "micro_batches")
+UNEVEN = ("truncate", "error")
+NONFINITE = ("skip", "raise")
+PRECISION = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class StepInfo:
+    """What happened at one optimizer step (handed to ``on_step`` callbacks; one metrics.jsonl line)."""
+
+    epoch: int
+    step: int  # optimizer steps completed, this one included
+    factor: int  # the scheduled factor of this window
+    micro_batches: int  # micro-batches in this window (< factor for a partial window)
+    elements: int  # elements (samples or tokens) in this window over all ranks
+    samples: int  # samples in this window over all ranks
+    loss: float  # mean loss per element over the window, all ranks
+    lr: float  # learning rate used by this step
+    grad_norm: float  # global norm of the normalised gradient, before clipping
+    skipped: bool  # non-finite loss/gradient: the optimizer did not step
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _batch_size(batch) -> int:
+    """Samples in a micro-batch: the leading dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, dict):
+        for value in batch.values():
+            return _batch_size(value)
+    if isinstance(batch, (list, tuple)) and batch:
+        first = batch[0]
+        if isinstance(first, (torch.Tensor, dict, list, tuple)):
+            return _batch_size(first)
+        return len(batch)
+    return 1
+
+
+class AccumulationEngine:
+    """Drives scheduled gradient accumulation for a plain module, a DDP module or a DeepSpeed engine.
+
+    Args:
+        model: ``nn.Module`` (one process), ``DistributedDataParallel``, or a ``DeepSpeedEngine``.
+        optimizer: a torch optimizer (None for a DeepSpeed engine, which owns its own).
+        schedule: anything :class:`AccumulationSchedule` accepts (mapping, ``"0:1,5:2"``, int) or a schedule.
+        lr_scheduler: stepped once per optimizer step (so its totals are :meth:`AccumulationSchedule.optimizer_steps`).
+        max_grad_norm: clip the global gradient norm to this on each step; None (default) never clips.
+        normalize: ``"elements"`` (default, exact large-batch mean over every sample/token of the window on all
+            ranks) or ``"micro_batches"`` (Lightning-compatible: mean of per-micro-batch means).
+        uneven: ranks whose loaders differ in length: ``"truncate"`` (default; all ranks stop at the shortest,
+            with a warning) or ``"error"``.
+        nonfinite: a non-finite loss or gradient: ``"skip"`` the step on every rank (default) or ``"raise"``.
+        precision: ``"fp32"``, ``"bf16"`` (autocast, CPU or GPU) or ``"fp16"`` (autocast + GradScaler, GPU only).
+        micro_batch_size: only used to report the effective batch (``micro x factor x world``).
+        count_allreduce: count DDP gradient all-reduce rounds with a comm hook (default True).
+    """
+
+    def __init__(self, model, optimizer=None, schedule=1, *, lr_scheduler=None, max_grad_norm: float | None = None,
+                 normalize: str = "elements", uneven: str = "truncate", nonfinite: str = "skip",
+                 precision: str = "fp32", micro_batch_size: int | None = None, count_allreduce: bool = True):
+        for name, value, allowed in (("normalize", normalize, NORMALIZE), ("uneven", uneven, UNEVEN),
+                                     ("nonfinite", nonfinite, NONFINITE), ("precision", precision, PRECISION)):
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm!r} must be > 0, or None for no clipping")
+        self.schedule = AccumulationSchedule(schedule)
+        self.model = model
+        self.normalize, self.uneven, self.nonfinite = normalize, uneven, nonfinite
+        self.max_grad_norm = max_grad_norm
+        self.precision = precision
+        self.micro_batch_size = micro_batch_size
+        scaler = None
+        if precision == "fp16":
+            if not torch.cuda.is_available():
+                raise ValueError("precision='fp16' needs a CUDA device (GradScaler); use 'bf16' on CPU")
+            scaler = torch.amp.GradScaler("cuda")
+        self.backend = make_backend(model, optimizer, lr_scheduler, scaler, count_allreduce)
+        self.world_size = self.backend.world_size
+        self.callbacks: list[Callable[[StepInfo], None]] = []
+
+        # position and counters (all identical on every rank; see state_dict)
+        self.epoch_index = 0  # the epoch to run next (or running)
+        self.micro_in_epoch = 0  # micro-batches of epoch_index already consumed (always at a window boundary)
+        self.optimizer_steps = 0
+        self.skipped_steps = 0
+        self.micro_steps = 0  # micro-batches run on this rank
+        self.elements = 0  # global
+        self.samples = 0  # global
+        self.factor = self.schedule.factor_for(self._position())
+        self.last_step: StepInfo | None = None
+        self._rounds_offset = 0
+        self._stop_requested = False
+        self.should_stop = False
+
+        # the open window
+        self._expect_backward = False
+        self._win_loss: torch.Tensor | None = None
+        self._win_n: torch.Tensor | None = None
+        self._win_samples = 0
+
+    # -- public counters ----------------------------------------------------------------------------------------
+    @property
+    def allreduce_rounds(self) -> int | None:
+        """Gradient all-reduce rounds so far, as counted by the back end (DDP comm hook); None if not counted."""
+        rounds = self.backend.allreduce_rounds
+        return None if rounds is None else rounds + self._rounds_offset
+
+    @property
+    def effective_batch(self) -> int | None:
+        """Samples per optimizer step at the current factor (``micro x factor x world``), if the micro-batch is known."""
+        if self.micro_batch_size is None:
+            return None
+        return self.micro_batch_size * self.factor * self.world_size
+
+    def on_step(self, callback: Callable[[StepInfo], None]) -> Callable[[StepInfo], None]:
+        """Register ``callback(StepInfo)``, called on every rank after each optimizer step. Usable as a decorator."""
+        self.callbacks.append(callback)
+        return callback
+
+    def request_stop(self) -> None:
+        """Ask to stop at the next optimizer boundary (safe from a signal handler: it only sets a flag).
+
+        Ranks agree on it in the window-end collective, so every rank stops after the same step and
+        :attr:`should_stop` becomes True everywhere.
+        """
+        self._stop_requested = True
+
+    def _position(self) -> Position:
+        return Position(epoch=self.epoch_index, step=self.optimizer_steps, samples=self.samples, tokens=self.elements)
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+    def autocast(self):
+        """Context for the forward pass under the configured precision (a no-op for fp32)."""
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        device = "cuda" if self.precision == "fp16" or _module_device(self.model).type == "cuda" else "cpu"
+        dtype = torch.float16 if self.precision == "fp16" else torch.bfloat16
+        return torch.autocast(device_type=device, dtype=dtype)
+
+    def micro_batches(self, loader: Iterable, epoch: int | None = None, num_batches: int | None = None) -> Iterator:
+        """Yield the micro-batches of ``epoch``, each inside the right gradient-sync context.
+
+        Call :meth:`backward` once for every batch before asking for the next. ``num_batches`` is needed only
+        for loaders without ``len()``. After a resume (:meth:`load_state_dict`) the first micro-batches already
+        trained are skipped. When :attr:`should_stop` turns True the iteration ends early, at a step boundary.
+        """
+        epoch = self.epoch_index if epoch is None else epoch
+        if epoch < self.epoch_index:
+            raise ValueError(f"epoch {epoch} was already trained (the engine is at epoch {self.epoch_index})")
+        if epoch > self.epoch_index:
+            self.epoch_index, self.micro_in_epoch = epoch, 0
+        if num_batches is None:
+            try:
+                num_batches = len(loader)
+            except TypeError:
+                raise ValueError("the loader has no len(); pass num_batches= so ranks can agree on the epoch length")
+        start = self.micro_in_epoch
+        total = self._agree_epoch(epoch, num_batches, start)
+        iterator = iter(loader) if start < total else iter(())
+        for _ in range(start if start < total else 0):  # resume mid-epoch: these micro-batches were trained before the checkpoint
+            next(iterator)
+        consumed = start
+        while consumed < total and not self.should_stop:
+            factor = self.schedule.factor_for(self._position())
+            size = min(factor, total - consumed)
+            self.factor = factor
+            for j in range(size):
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    raise RuntimeError(f"epoch {epoch}: the loader ended after {consumed + j} micro-batches but "
+                                       f"len() promised {num_batches}") from None
+                boundary = j == size - 1
+                with self.backend.sync_context(boundary):
+                    self._expect_backward = True
+                    self._win_samples += _batch_size(batch)
+                    yield batch
+                    if self._expect_backward:
+                        raise RuntimeError("call engine.backward(loss_sum, n_elements) for every micro-batch "
+                                           "before taking the next one")
+            consumed += size
+            self.micro_in_epoch = consumed
+            self._finish_window(epoch, factor, size)
+        if not self.should_stop:
+            self.epoch_index, self.micro_in_epoch = epoch + 1, 0
+
+    def _agree_epoch(self, epoch: int, num_batches: int, start: int) -> int:
+        factor = self.schedule.factor_for(self._position())
+        ranges = collective.agree(
+            {"accumulation factor": factor, "schedule fingerprint": self.schedule.fingerprint(),
+             "resume position": start, "micro-batches per epoch": num_batches},
+            context=f"at the start of epoch {epoch}", allow=("micro-batches per epoch",))
+        low, high = ranges["micro-batches per epoch"]
+        if low != high:
+            message = (f"epoch {epoch}: ranks have between {low} and {high} micro-batches (this rank {num_batches})")
+            if self.uneven == "error":
+                raise collective.RankDisagreement(message + "; give every rank the same number (DistributedSampler "
+                                                  "pads to equal lengths) or set uneven='truncate'")
+            if collective.rank() == 0:
+                warnings.warn(message + f"; every rank trains the first {low} (uneven='truncate')", stacklevel=3)
+        if low < factor and collective.rank() == 0 and low > start:
+            warnings.warn(f"epoch {epoch} has {low} micro-batches, fewer than the factor {factor}: it takes one "
+                          f"optimizer step over all of them", stacklevel=3)
+        return low
+
+    def backward(self, loss_sum: torch.Tensor, n_elements) -> None:
+        """Backward of one micro-batch. ``loss_sum`` is the SUM of per-element losses, ``n_elements`` their count.
+
+        The sum is back-propagated unscaled; the window's gradient is divided by the global element count once,
+        at the boundary, which makes the step exactly that of one batch made of the whole window.
+        """
+        if not self._expect_backward:
+            raise RuntimeError("engine.backward() must be called once per micro-batch from engine.micro_batches()")
+        self._expect_backward = False
+        n = torch.as_tensor(n_elements, dtype=torch.float64).detach().reshape(())
+        loss_value = loss_sum.detach().double().reshape(())
+        if self.normalize == "micro_batches":
+            self.backend.backward(loss_sum / n.to(loss_sum.device, loss_sum.dtype))
+        else:
+            self.backend.backward(loss_sum)
+        self._win_loss = loss_value if self._win_loss is None else self._win_loss + loss_value
+        self._win_n = n if self._win_n is None else self._win_n + n.to(self._win_n.device)
+        self.micro_steps += 1
+
+    def train_epoch(self, loader: Iterable, loss_fn: Callable, epoch: int | None = None) -> None:
+        """Run one epoch: ``loss_fn(model, batch) -> (loss_sum, n_elements)`` on every micro-batch."""
+        for batch in self.micro_batches(loader, epoch):
+            with self.autocast():
+                loss_sum, n = loss_fn(self.model, batch)
+            self.backward(loss_sum, n)
+
+    def _finish_window(self, epoch: int, factor: int, size: int) -> None:
+        device = collective.comm_device()
+        norm = self.backend.grad_norm().to(device)
+        loss = self._win_loss.to(device)
+        # The one collective per step besides the gradient all-reduce: counts, loss, flags.
+        stats = torch.stack([
+            self._win_n.to(device), loss,
+            torch.tensor(float(self._win_samples), dtype=torch.float64, device=device),
+            (~torch.isfinite(loss) | ~torch.isfinite(norm)).double(),
+            torch.tensor(float(self._stop_requested), dtype=torch.float64, device=device),
+        ])
+        n_total, loss_total, samples, nonfinite, stop = collective.all_sum(stats).tolist()
+        n_total_int = int(round(n_total))
+        skip = nonfinite > 0 or n_total_int == 0
+        if nonfinite > 0 and self.nonfinite == "raise":
+            raise FloatingPointError(f"non-finite loss or gradient at epoch {epoch}, step {self.optimizer_steps + 1} "
+                                     f"(nonfinite='raise'; use nonfinite='skip' to skip such steps)")
+        if self.normalize == "micro_batches":
+            coef = 1.0 / size
+        else:
+            coef = (self.world_size if self.backend.averages_over_world else 1) / max(n_total, 1.0)
+        lr = self.backend.lr()
+        grad_norm = float(norm) * coef
+        self.backend.step(coef, self.max_grad_norm, float(norm), skip)
+
+        self.optimizer_steps += 1
+        self.skipped_steps += int(skip)
+        self.elements += n_total_int
+        self.samples += int(round(samples))
+        self.should_stop = stop > 0
+        self._win_loss = self._win_n = None
+        self._win_samples = 0
+        info = StepInfo(epoch=epoch, step=self.optimizer_steps, factor=factor, micro_batches=size,
+                        elements=n_total_int, samples=int(round(samples)),
+                        loss=loss_total / n_total if n_total else float("nan"), lr=lr,
+                        grad_norm=grad_norm, skipped=skip)
+        self.last_step = info
+        if skip and collective.rank() == 0:
+            log.warning("step %d skipped: %s", self.optimizer_steps,
+                        "no elements in the window" if n_total_int == 0 else "non-finite loss or gradient")
+        for callback in self.callbacks:
+            callback(info)
+
+    # -- resume -------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The engine's position and counters (plain ints). Taken between windows only."""
+        if self._expect_backward or self._win_n is not None:
+            raise RuntimeError("engine.state_dict() inside a window: save from an on_step callback or between epochs")
+        return {
+            "epoch": self.epoch_index, "micro_batch": self.micro_in_epoch,
+            "optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
+            "micro_batches": self.micro_steps, "elements": self.elements, "samples": self.samples,
+            "allreduce_rounds": self.allreduce_rounds or 0, "factor": self.factor, "world_size": self.world_size,
+            "schedule": [list(m) for m in self.schedule.milestones], "unit": self.schedule.unit,
+            "backend": self.backend.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``: the next :meth:`micro_batches` call skips what was already trained."""
+        self.epoch_index = int(state["epoch"])
+        self.micro_in_epoch = int(state["micro_batch"])
+        self.optimizer_steps = int(state["optimizer_steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.micro_steps = int(state["micro_batches"])
+        self.elements = int(state["elements"])
+        self.samples = int(state.get("samples", 0))
+        self._rounds_offset = int(state.get("allreduce_rounds", 0)) - (self.backend.allreduce_rounds or 0)
+        self.factor = self.schedule.factor_for(self._position())
+        self.should_stop = self._stop_requested = False
+        self.backend.load_state_dict(state.get("backend", {}))
+
+    def counters(self) -> dict:
+        """Counters for summaries: steps, micro-batches, elements, samples, all-reduce rounds, factor, batch."""
+        return {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
+                "micro_batches": self.micro_steps, "elements": self.elements, "samples": self.samples,
+                "allreduce_rounds": self.allreduce_rounds, "factor": self.factor,
+                "effective_batch": self.effective_batch}
+
+
+def _module_device(model) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def optimizer_steps(schedule, batches_per_epoch, epochs: int) -> int:
+    """Exact optimizer steps for ``schedule`` (see :meth:`AccumulationSchedule.optimizer_steps`)."""
+    return AccumulationSchedule(schedule).optimizer_steps(batches_per_epoch, epochs)
+
+
+__all__ = ["AccumulationEngine", "StepInfo", "optimizer_steps"]
