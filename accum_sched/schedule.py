@@ -33,6 +33,11 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _digits(text: str) -> bool:
+    """Plain ASCII digits. int() alone would also take '+3', '1_0' and non-ASCII digits such as '٣' or '²'."""
+    return text.isascii() and text.isdigit()
+
+
 def _parse_threshold(text, unit: str, entry: str) -> int:
     """An int key; digit strings (as JSON keys come) and, for samples/tokens, K/M/B/T suffixes are accepted."""
     if _is_int(text):
@@ -42,14 +47,15 @@ def _parse_threshold(text, unit: str, entry: str) -> int:
         mult = 1
         if raw[-1:].upper() in _SUFFIXES and unit in ("samples", "tokens"):
             mult, raw = _SUFFIXES[raw[-1].upper()], raw[:-1]
-        try:
-            number = float(raw) if ("." in raw and mult > 1) else int(raw)
-        except ValueError:
+        if raw[:1] == "-" and _digits(raw[1:]):
+            raise ValueError(f"schedule entry {entry}: key {raw} is negative; {unit} keys start at 0")
+        whole, dot, fraction = raw.partition(".")
+        if not (_digits(whole) and (not dot or (mult > 1 and _digits(fraction)))):
             hint = "use a non-negative integer"
             if unit in ("samples", "tokens"):
                 hint += " with an optional K/M/B/T suffix, e.g. 250M"
-            raise ValueError(f"schedule entry {entry}: key {text!r} is not a valid {unit} threshold; {hint}") from None
-        value = number * mult
+            raise ValueError(f"schedule entry {entry}: key {text!r} is not a valid {unit} threshold; {hint}")
+        value = (float(raw) if dot else int(raw)) * mult
         if isinstance(value, float):
             if not value.is_integer():
                 raise ValueError(f"schedule entry {entry}: key {text!r} is not a whole number of {unit}; "
@@ -64,7 +70,7 @@ def _parse_threshold(text, unit: str, entry: str) -> int:
 
 
 def _check_factor(value, entry: str) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
+    if isinstance(value, str) and _digits(value.strip()):
         value = int(value.strip())
     if not _is_int(value) or value < 1:
         raise ValueError(f"schedule entry {entry}: factor {value!r} must be an integer >= 1 "
@@ -101,7 +107,7 @@ class AccumulationSchedule:
             text = spec.strip()
             if not text:
                 raise ValueError("schedule is empty; give at least one entry such as '0:1'")
-            if ":" not in text and text.isdigit():
+            if ":" not in text and _digits(text):
                 return [(0, _check_factor(int(text), text))]
             pairs, seen = [], set()
             for part in text.replace(";", ",").split(","):
@@ -115,11 +121,9 @@ class AccumulationSchedule:
                 if key in seen:
                     raise ValueError(f"schedule entry {part!r}: key {key} is given twice; keep one factor per key")
                 seen.add(key)
-                try:
-                    factor = int(factor_text)
-                except ValueError:
+                if not _digits(factor_text):
                     raise ValueError(f"schedule entry {part!r}: factor {factor_text!r} must be an integer >= 1")
-                pairs.append((key, _check_factor(factor, repr(part))))
+                pairs.append((key, _check_factor(int(factor_text), repr(part))))
             if not pairs:
                 raise ValueError("schedule is empty; give at least one entry such as '0:1'")
             return pairs
