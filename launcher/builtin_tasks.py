@@ -1,0 +1,101 @@
+"""Built-in tasks: `builtin:regression` (synthetic, deterministic) and `builtin:charlm` (a small character-level
+transformer language model on a corpus shipped with the package; variable-length lines, padding excluded from the
+loss, so each step is normalised per token)."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+
+# -- regression -------------------------------------------------------------------------------------------------
+def regression(samples: int = 2048, in_dim: int = 32, hidden: int = 64, out_dim: int = 8, noise: float = 0.05,
+               data_seed: int = 1234):
+    """y = tanh(x @ W) + noise, fitted by a two-hidden-layer MLP. Deterministic given ``data_seed``."""
+    g = torch.Generator().manual_seed(data_seed)
+    x = torch.randn(samples, in_dim, generator=g)
+    w = torch.randn(in_dim, out_dim, generator=g) / in_dim**0.5
+    y = torch.tanh(x @ w * 2.0) + noise * torch.randn(samples, out_dim, generator=g)
+    model = nn.Sequential(nn.Linear(in_dim, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
+                          nn.Linear(hidden, out_dim))
+
+    def loss_fn(model, batch):
+        inputs, targets = batch
+        per_sample = ((model(inputs) - targets) ** 2).mean(-1)  # one element per sample
+        return per_sample.sum(), inputs.shape[0]
+
+    return {"model": model, "dataset": TensorDataset(x, y), "loss_fn": loss_fn}
+
+
+# -- charlm -----------------------------------------------------------------------------------------------------
+PAD = 0
+CORPUS = os.path.join(os.path.dirname(__file__), "data", "corpus.txt")
+
+
+class LineDataset(Dataset):
+    """One sample per corpus line (or chunk of ``max_len``), encoded as character ids; lengths vary."""
+
+    def __init__(self, path: str, max_len: int):
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f if line.strip()]
+        chars = sorted({c for line in lines for c in line})
+        self.vocab = {c: i + 2 for i, c in enumerate(chars)}  # 0 = padding, 1 = start of line
+        self.samples = []
+        for line in lines:
+            ids = [1] + [self.vocab[c] for c in line]
+            for start in range(0, len(ids) - 1, max_len):
+                chunk = ids[start:start + max_len + 1]
+                if len(chunk) > 1:
+                    self.samples.append(torch.tensor(chunk, dtype=torch.long))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab) + 2
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        return self.samples[i]
+
+
+def pad_batch(sequences: list[torch.Tensor]) -> torch.Tensor:
+    return nn.utils.rnn.pad_sequence(sequences, batch_first=True, padding_value=PAD)
+
+
+class CharTransformer(nn.Module):
+    def __init__(self, vocab_size: int, d_model: int, n_heads: int, n_layers: int, max_len: int, dropout: float):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, d_model, padding_idx=PAD)
+        self.pos = nn.Embedding(max_len + 1, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, n_heads, 4 * d_model, dropout, batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        h = self.tok(tokens) + self.pos(torch.arange(length, device=tokens.device))[None]
+        causal = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device)
+        h = self.blocks(h, mask=causal, is_causal=True)
+        return self.head(self.norm(h))
+
+
+def charlm(max_len: int = 64, d_model: int = 64, n_heads: int = 4, n_layers: int = 2, dropout: float = 0.0,
+           corpus: str | None = None):
+    """Next-character prediction. loss_fn returns (sum of token losses, number of real target tokens)."""
+    dataset = LineDataset(corpus or CORPUS, max_len)
+    model = CharTransformer(dataset.vocab_size, d_model, n_heads, n_layers, max_len, dropout)
+
+    def loss_fn(model, tokens):
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        logits = model(inputs)
+        losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                 ignore_index=PAD, reduction="sum")
+        return losses, (targets != PAD).sum()
+
+    return {"model": model, "dataset": dataset, "loss_fn": loss_fn, "collate_fn": pad_batch}

@@ -1,0 +1,63 @@
+"""`accum-sched run CONFIG`: validate, write the resolved config, start the workers through torchrun."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from launcher.cmd_check import preflight
+from launcher.config import load_config, write_resolved
+from launcher.errors import ConfigError
+from launcher.launch.torchrun import LaunchPlan, run_id, torchrun_argv
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("run", help="validate a config and train with torchrun (one node or many)")
+    p.add_argument("config", help="the YAML config")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="workers per node (distributed.nproc_per_node)")
+    p.add_argument("--nnodes", type=int, default=None, help="number of nodes (distributed.nnodes)")
+    p.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="c10d rendezvous of a multi-node run")
+    p.add_argument("--max-restarts", type=int, default=None, help="torchrun restarts of a failed worker group")
+    p.add_argument("--resume", nargs="?", const="auto", default=None, metavar="auto|PATH",
+                   help="continue from the newest valid checkpoint (auto) or a given one")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    overrides = list(args.set)
+    for flag, key in (("nproc_per_node", "distributed.nproc_per_node"), ("nnodes", "distributed.nnodes"),
+                      ("max_restarts", "distributed.max_restarts")):
+        if getattr(args, flag) is not None:
+            overrides.append(f"{key}={getattr(args, flag)}")
+    cfg = load_config(args.config, overrides)
+    dist = cfg.distributed
+    if dist.nnodes > 1 and not args.rdzv_endpoint:
+        raise ConfigError("--rdzv-endpoint", f"is required with {dist.nnodes} nodes",
+                          "give HOST:PORT of the first node, the same on every node")
+    if args.rdzv_endpoint and ":" not in args.rdzv_endpoint:
+        raise ConfigError("--rdzv-endpoint", f"{args.rdzv_endpoint!r} is not HOST:PORT", "write e.g. node01:29400")
+    if args.node_rank is not None and not 0 <= args.node_rank < dist.nnodes:
+        raise ConfigError("--node-rank", f"{args.node_rank} is outside 0..{dist.nnodes - 1}", "number nodes from 0")
+    preflight(cfg)
+
+    run_dir = cfg.run.output_dir
+    os.makedirs(run_dir, exist_ok=True)
+    config_path = os.path.abspath(os.path.join(run_dir, "config.yaml"))
+    write_resolved(cfg, config_path)
+    worker_args = ["--config", config_path]
+    if args.resume:
+        worker_args += ["--resume", args.resume]
+    plan = LaunchPlan(nproc_per_node=dist.nproc_per_node, nnodes=dist.nnodes, node_rank=args.node_rank,
+                      rdzv_endpoint=args.rdzv_endpoint, rdzv_id=run_id(os.path.abspath(run_dir)),
+                      max_restarts=dist.max_restarts)
+    env = dict(os.environ)
+    # torchrun would set 1 thread per worker with a warning; share the cores out instead, unless the user chose.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // dist.nproc_per_node)))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return subprocess.call(torchrun_argv(plan, worker_args), env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main(None))

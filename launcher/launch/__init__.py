@@ -1,0 +1,1 @@
+"""How workers are started: torchrun argv (torchrun.py) and SLURM batch scripts (slurm.py)."""

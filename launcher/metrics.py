@@ -1,0 +1,85 @@
+"""Run outputs on rank 0: metrics.jsonl (one line per optimizer step), summary.json, progress, TensorBoard."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def atomic_write_json(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Progress:
+    """A one-line bar on a TTY, plain log lines otherwise (every ``log_every`` steps and at each epoch end)."""
+
+    def __init__(self, mode: str, epochs: int, total_steps: int, log_every: int, stream=None):
+        self.stream = stream or sys.stdout
+        if mode == "auto":
+            mode = "bar" if self.stream.isatty() else "plain"
+        self.mode, self.epochs, self.total, self.log_every = mode, epochs, total_steps, log_every
+
+    def step(self, info, effective_batch) -> None:
+        if self.mode == "none":
+            return
+        text = (f"epoch {info.epoch + 1}/{self.epochs}  step {info.step}/{self.total}  loss {info.loss:.4f}  "
+                f"factor {info.factor}  eff.batch {effective_batch}  lr {info.lr:.3g}")
+        if self.mode == "bar":
+            done = int(30 * info.step / max(1, self.total))
+            self.stream.write(f"\r[{'#' * done}{'.' * (30 - done)}] {text}\x1b[K")
+            self.stream.flush()
+        elif info.step % self.log_every == 0 or info.step == self.total:
+            print(text, file=self.stream, flush=True)
+
+    def epoch_end(self, epoch: int, loss: float, seconds: float) -> None:
+        if self.mode == "none":
+            return
+        line = f"epoch {epoch + 1}/{self.epochs} done  loss {loss:.4f}  {seconds:.1f}s"
+        if self.mode == "bar":
+            self.stream.write("\r" + line + "\x1b[K\n")
+            self.stream.flush()
+        else:
+            print(line, file=self.stream, flush=True)
+
+
+class MetricsWriter:
+    """Appends one JSON line per optimizer step; mirrors scalars to TensorBoard when it is installed and wanted."""
+
+    def __init__(self, run_dir: str, tensorboard: str = "auto", start_time: float | None = None):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.start = time.time() if start_time is None else start_time
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard != "off":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                if tensorboard == "on":
+                    raise RuntimeError("logging.tensorboard: on needs the tensorboard package; pip install tensorboard")
+            else:
+                self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def write(self, info, effective_batch: int | None) -> None:
+        record = info.to_dict()
+        record["effective_batch"] = effective_batch
+        record["wall_time"] = round(time.time() - self.start, 4)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key in ("loss", "lr", "grad_norm", "factor"):
+                self._tb.add_scalar(f"train/{key}", record[key], info.step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()

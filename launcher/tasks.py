@@ -1,0 +1,106 @@
+"""Tasks: what to train. `task.target` is "module:function" (or "builtin:NAME"), called with `task.args`.
+
+The function returns a mapping or object with ``model`` (nn.Module), ``dataset`` (map-style Dataset),
+``loss_fn(model, batch) -> (loss_sum, n_elements)`` and optionally ``collate_fn``.
+
+`check_target` verifies a target before launch without importing it (so without torch): the module must be
+findable and define the function at top level.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from launcher.errors import ConfigError
+
+BUILTINS = {
+    "regression": "launcher.builtin_tasks:regression",
+    "charlm": "launcher.builtin_tasks:charlm",
+}
+
+
+@dataclass
+class Task:
+    model: Any
+    dataset: Any
+    loss_fn: Callable
+    collate_fn: Callable | None = None
+
+
+def resolve(target: str) -> tuple[str, str]:
+    """``(module, function)`` for a target, built-ins mapped to their module."""
+    module, _, function = target.partition(":")
+    if module == "builtin":
+        if function not in BUILTINS:
+            raise ConfigError("task.target", f"no built-in task {function!r}",
+                              f"use one of {', '.join('builtin:' + b for b in BUILTINS)}")
+        module, _, function = BUILTINS[function].partition(":")
+    return module, function
+
+
+def _ensure_cwd_on_path() -> None:
+    # `accum-sched run` is started from the user's project; their task modules live there (like `python -m`).
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
+def check_target(target: str) -> None:
+    """Raise ConfigError if the module cannot be found or does not define the function (no import of it)."""
+    module, function = resolve(target)
+    _ensure_cwd_on_path()
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as exc:
+        spec, reason = None, str(exc)
+    else:
+        reason = "no such module"
+    if spec is None:
+        raise ConfigError("task.target", f"cannot import module {module!r} ({reason})",
+                          "check the module path, and run from the directory that contains it or install it")
+    origin = spec.origin
+    if not origin or not origin.endswith(".py") or not os.path.isfile(origin):
+        return  # compiled or namespace module: checked when the workers import it
+    with open(origin, encoding="utf-8") as f:
+        try:
+            tree = ast.parse(f.read(), origin)
+        except SyntaxError as exc:
+            raise ConfigError("task.target", f"module {module!r} has a syntax error at line {exc.lineno}: {exc.msg}",
+                              f"fix {origin}") from None
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.AnnAssign,)) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    if function not in names and "__getattr__" not in names:
+        raise ConfigError("task.target", f"module {module!r} has no function {function!r}",
+                          f"define {function}(**args) in {origin} or fix the name after ':'")
+
+
+def build(target: str, args: dict) -> Task:
+    """Import the target and call it with ``args``; normalise what it returns into a Task."""
+    module_name, function = resolve(target)
+    _ensure_cwd_on_path()
+    module = importlib.import_module(module_name)
+    try:
+        factory = getattr(module, function)
+    except AttributeError:
+        raise ConfigError("task.target", f"module {module_name!r} has no function {function!r}",
+                          "fix the name after ':'") from None
+    made = factory(**args)
+    get = made.get if isinstance(made, dict) else (lambda k, d=None: getattr(made, k, d))
+    missing = [k for k in ("model", "dataset", "loss_fn") if get(k) is None]
+    if missing:
+        raise ConfigError("task.target", f"{target} returned no {', '.join(missing)}",
+                          "return a mapping with model, dataset, loss_fn (and optionally collate_fn)")
+    return Task(model=get("model"), dataset=get("dataset"), loss_fn=get("loss_fn"), collate_fn=get("collate_fn"))

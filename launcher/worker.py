@@ -1,0 +1,221 @@
+"""The per-rank entry point: `python -m launcher.worker --config RUN_DIR/config.yaml`.
+
+torchrun runs it (and srun, and the `deepspeed` launcher, which adds --local_rank). It reads the resolved config,
+joins the process group, builds the task and the engine, trains, and leaves model.pt, metrics.jsonl and
+summary.json (rank 0). The loop reads top to bottom; everything clever lives in accum_sched.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import sys
+import time
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.utils.data import DataLoader, DistributedSampler
+
+from accum_sched import AccumulationEngine
+from launcher import tasks
+from launcher.config import Config, load_config
+from launcher.metrics import MetricsWriter, Progress, atomic_write_json
+from launcher.optim import build_lr_scheduler, build_optimizer
+
+log = logging.getLogger("accum_sched.worker")
+
+
+def to_device(batch, device: torch.device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def detect_launch():
+    """Rank, local rank, world size and rendezvous address of this process (see launcher/env.py)."""
+    try:
+        from launcher.env import detect
+    except ImportError:  # TODO(slurm helper): launcher/env.py replaces this torchelastic-only fallback
+        from types import SimpleNamespace
+
+        e = os.environ
+        if "RANK" in e:
+            return SimpleNamespace(rank=int(e["RANK"]), local_rank=int(e.get("LOCAL_RANK", 0)),
+                                   world_size=int(e["WORLD_SIZE"]), master_addr=e.get("MASTER_ADDR", "127.0.0.1"),
+                                   master_port=int(e.get("MASTER_PORT", 29500)), source="torchelastic")
+        return SimpleNamespace(rank=0, local_rank=0, world_size=1, master_addr="127.0.0.1", master_port=29500,
+                               source="single")
+    return detect()
+
+
+def init_distributed(cfg: Config, launch) -> torch.device:
+    """Join the process group (NCCL with CUDA, gloo otherwise, unless configured) and pin this rank's device."""
+    wanted = cfg.distributed.process_group
+    use_cuda = torch.cuda.is_available() and wanted != "gloo"
+    device = torch.device("cuda", launch.local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if launch.world_size > 1 or launch.source != "single":
+        backend = ("nccl" if use_cuda else "gloo") if wanted == "auto" else wanted
+        os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+        dist.init_process_group(backend, init_method="env://", rank=launch.rank, world_size=launch.world_size,
+                                timeout=timedelta(seconds=cfg.distributed.timeout_s),
+                                device_id=device if use_cuda else None)
+    return device
+
+
+class Trainer:
+    """Holds everything one rank trains with; `fit()` is the loop."""
+
+    def __init__(self, cfg: Config, device: torch.device, resume: str | None = None):
+        self.cfg, self.device, self.resume = cfg, device, resume
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.run_dir = cfg.run.output_dir
+        seed_everything(cfg.run.seed)  # identical initial weights on every rank
+        self.task = tasks.build(cfg.task.target, cfg.task.args)
+        self.sampler = DistributedSampler(self.task.dataset, num_replicas=self.world, rank=self.rank,
+                                          shuffle=cfg.data.shuffle, seed=cfg.run.seed, drop_last=False)
+        self.loader = DataLoader(self.task.dataset, batch_size=cfg.data.micro_batch_size, sampler=self.sampler,
+                                 drop_last=cfg.data.drop_last, num_workers=cfg.data.num_workers,
+                                 collate_fn=self.task.collate_fn, pin_memory=device.type == "cuda")
+        self.schedule = cfg.schedule
+        self.total_steps = self.schedule.optimizer_steps(len(self.loader), cfg.run.epochs)
+        self.model = self.task.model.to(device)
+        self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
+        self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer, self.total_steps)
+        self.ds_engine = None
+        if cfg.distributed.backend == "deepspeed":
+            from launcher import deepspeed_setup
+
+            self.ds_engine, self.optimizer, self.lr_scheduler = deepspeed_setup.initialize(
+                cfg, self.model, self.optimizer, self.lr_scheduler, self.world)
+            wrapped = self.ds_engine
+        elif self.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            wrapped = DistributedDataParallel(
+                self.model, device_ids=[device.index] if device.type == "cuda" else None,
+                find_unused_parameters=cfg.distributed.find_unused_parameters)
+        else:
+            wrapped = self.model
+        self.wrapped = wrapped
+        acc = cfg.accumulation
+        self.engine = AccumulationEngine(
+            wrapped, None if self.ds_engine is not None else self.optimizer, self.schedule,
+            lr_scheduler=None if self.ds_engine is not None else self.lr_scheduler,
+            max_grad_norm=cfg.optimizer.max_grad_norm, normalize=acc.normalize, uneven=acc.uneven,
+            nonfinite=acc.nonfinite, precision=cfg.run.precision, micro_batch_size=cfg.data.micro_batch_size)
+        self.metrics = None
+        self.progress = None
+        self.start = time.time()
+
+    def loss_fn(self, model, batch):
+        return self.task.loss_fn(model, to_device(batch, self.device))
+
+    def _on_step(self, info) -> None:
+        if self.metrics is not None:
+            self.metrics.write(info, self.engine.effective_batch)
+            self.progress.step(info, self.engine.effective_batch)
+
+    def fit(self) -> None:
+        cfg = self.cfg
+        if self.rank == 0:
+            os.makedirs(self.run_dir, exist_ok=True)
+            self.metrics = MetricsWriter(self.run_dir, cfg.logging.tensorboard, self.start)
+            self.progress = Progress(cfg.logging.progress, cfg.run.epochs, self.total_steps, cfg.logging.log_every)
+            print(f"accum-sched: world {self.world}, {len(self.loader)} micro-batches of "
+                  f"{cfg.data.micro_batch_size} per rank per epoch, {cfg.run.epochs} epochs, "
+                  f"{self.total_steps} optimizer steps, schedule {self.schedule.to_dict()}", flush=True)
+        self.engine.on_step(self._on_step)
+        for epoch in range(self.engine.epoch_index, cfg.run.epochs):
+            began = time.time()
+            self.sampler.set_epoch(epoch)
+            self.engine.train_epoch(self.loader, self.loss_fn, epoch)
+            if self.engine.should_stop:
+                break
+            if self.progress is not None and self.engine.last_step is not None:
+                self.progress.epoch_end(epoch, self.engine.last_step.loss, time.time() - began)
+        self.finish()
+
+    def final_state_dict(self) -> dict | None:
+        if self.ds_engine is not None:
+            from launcher import deepspeed_setup
+
+            return deepspeed_setup.consolidated_state_dict(self.ds_engine)
+        if self.rank != 0:
+            return None
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def finish(self) -> None:
+        state = self.final_state_dict()
+        counters = self.engine.counters()
+        if self.rank != 0:
+            return
+        path = os.path.join(self.run_dir, "model.pt")
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        last = self.engine.last_step
+        summary = {
+            "world_size": self.world, "epochs": self.cfg.run.epochs, "completed_epochs": self.engine.epoch_index,
+            "optimizer_steps": counters["optimizer_steps"], "skipped_steps": counters["skipped_steps"],
+            "micro_batches": counters["micro_batches"], "micro_batches_all_ranks": counters["micro_batches"] * self.world,
+            "elements": counters["elements"], "samples": counters["samples"],
+            "allreduce_rounds": counters["allreduce_rounds"], "final_loss": None if last is None else last.loss,
+            "final_factor": counters["factor"], "effective_batch": counters["effective_batch"],
+            "wall_seconds": round(time.time() - self.start, 3), "backend": self.cfg.distributed.backend,
+            "stopped_early": bool(self.engine.should_stop),
+        }
+        atomic_write_json(os.path.join(self.run_dir, "summary.json"), summary)
+        self.metrics.close()
+        print(f"accum-sched: done: {summary['optimizer_steps']} optimizer steps, final loss "
+              f"{summary['final_loss']:.4f}, {summary['wall_seconds']:.1f}s; outputs in {self.run_dir}", flush=True)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m launcher.worker")
+    parser.add_argument("--config", required=True, help="the resolved config.yaml of the run")
+    parser.add_argument("--resume", default=None, help="'auto' or a checkpoint path")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+@record
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg = load_config(args.config)
+    launch = detect_launch()
+    if launch.rank != 0:  # other ranks stay quiet unless something fails
+        warnings.filterwarnings("ignore")
+        logging.getLogger("accum_sched").setLevel(logging.ERROR)
+    device = init_distributed(cfg, launch)
+    try:
+        Trainer(cfg, device, args.resume).fit()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
