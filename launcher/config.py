@@ -95,6 +95,21 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "tensorboard": Field("str", "auto", choices=("auto", "on", "off")),
         "log_every": Field("int", 10, check=_at_least(1)),
     },
+    # `accum-sched slurm` only (launcher/launch/slurm.py checks the formats); nodes and workers per node come
+    # from distributed.nnodes / distributed.nproc_per_node.
+    "slurm": {
+        "template": Field("str", "torchrun", hint="torchrun, per_task or the path of a .sbatch template"),
+        "gpus_per_node": Field("int", 0, check=_at_least(0)),
+        "cpus_per_worker": Field("int", 1, check=_at_least(1)),
+        "partition": Field("str", None, nullable=True),
+        "account": Field("str", None, nullable=True),
+        "time": Field("any", None, nullable=True),  # a string: YAML reads an unquoted 1:30:00 as the int 5400
+        "job_name": Field("str", None, nullable=True),
+        "signal": Field("str", "USR2@90"),
+        "requeue": Field("bool", True),
+        "extra_sbatch": Field("list", []),
+        "setup": Field("list", []),
+    },
 }
 # Sections that may be written as `null` as a whole (e.g. `lr_scheduler: null` for a constant LR).
 NULLABLE_SECTIONS = {"lr_scheduler"}
