@@ -52,18 +52,8 @@ def seed_everything(seed: int) -> None:
 
 def detect_launch():
     """Rank, local rank, world size and rendezvous address of this process (see launcher/env.py)."""
-    try:
-        from launcher.env import detect
-    except ImportError:  # TODO(slurm helper): launcher/env.py replaces this torchelastic-only fallback
-        from types import SimpleNamespace
+    from launcher.env import detect
 
-        e = os.environ
-        if "RANK" in e:
-            return SimpleNamespace(rank=int(e["RANK"]), local_rank=int(e.get("LOCAL_RANK", 0)),
-                                   world_size=int(e["WORLD_SIZE"]), master_addr=e.get("MASTER_ADDR", "127.0.0.1"),
-                                   master_port=int(e.get("MASTER_PORT", 29500)), source="torchelastic")
-        return SimpleNamespace(rank=0, local_rank=0, world_size=1, master_addr="127.0.0.1", master_port=29500,
-                               source="single")
     return detect()
 
 
