@@ -154,8 +154,8 @@ def _expand_ranges(body: str) -> list[str]:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """SLURM's host list syntax, as `scontrol show hostnames` prints it: 'gpu[01-02]-ib,login' ->
-    ['gpu01-ib', 'gpu02-ib', 'login']. Several bracket groups in one name multiply out, left to right."""
+    """SLURM's host list syntax, as `scontrol show hostnames` prints it: 'gpu[01-02],login' ->
+    ['gpu01', 'gpu02', 'login']. Several bracket groups in one name multiply out, left to right."""
     hosts: list[str] = []
     for item in _split_top(nodelist):
         names = [""]

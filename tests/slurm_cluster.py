@@ -7,7 +7,8 @@ idle, and on exit cancels what is left and stops exactly the daemons it started.
 find the cluster through `cluster.env` (SLURM_CONF). Nothing listens beyond 127.0.0.1.
 
 Use it as the `slurm` pytest fixture (`from slurm_cluster import slurm  # noqa: F401`), or from a shell to poke
-at it by hand: `python tests/slurm_cluster.py` starts one, prints the SLURM_CONF to export, and waits for Ctrl-C.
+at it by hand: `python tests/slurm_cluster.py` starts one, prints the SLURM_CONF to export, and runs until
+Ctrl-C or SIGTERM.
 
 Skips, with the reason, only when SLURM cannot be had here (not root, no apt-get, install or daemon start failed);
 set ACCUM_SCHED_REQUIRE_SLURM=1 (CI does) to turn those skips into failures.
@@ -292,11 +293,19 @@ except ImportError:  # pragma: no cover
     pass
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
+    # explicit handlers: a background job (`... &`) starts with SIGINT ignored
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     with slurm_cluster() as c:
-        print(f"export SLURM_CONF={c.conf}   # node {c.host} is {c.node_state()}; Ctrl-C stops the cluster",
+        print(f"export SLURM_CONF={c.conf}   # node {c.host} is {c.node_state()}; Ctrl-C or SIGTERM stops it",
               flush=True)
         try:
-            signal.pause()
+            while True:
+                signal.pause()
         except KeyboardInterrupt:
             pass

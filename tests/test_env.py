@@ -88,8 +88,8 @@ def test_slurm_inconsistent(change, field, fragment):
 
 
 def test_nodelist_and_tasks_per_node_syntax():
-    assert expand_nodelist("gpu[01-03,7]-ib,login,r[1-2]n[08-09]") == [
-        "gpu01-ib", "gpu02-ib", "gpu03-ib", "gpu7-ib", "login", "r1n08", "r1n09", "r2n08", "r2n09"]
+    assert expand_nodelist("gpu[01-03,7],login,r[1-2]n[08-09]") == [
+        "gpu01", "gpu02", "gpu03", "gpu7", "login", "r1n08", "r1n09", "r2n08", "r2n09"]
     assert expand_nodelist("node[098-101]") == ["node098", "node099", "node100", "node101"]
     assert expand_nodelist("vm") == ["vm"]
     for bad in ("a[3-1]", "a[1-2", "a]", "a[x]"):
