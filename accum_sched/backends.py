@@ -61,8 +61,12 @@ class TorchBackend:
             return torch.zeros((), dtype=torch.float64)
         return torch.nn.utils.get_total_norm(grads, 2.0).double()
 
-    def step(self, coef: float, max_norm: float | None, norm: float, skip: bool) -> None:
-        """Scale the window's gradient by ``coef`` (and clip to ``max_norm``), step, advance the LR, clear."""
+    def step(self, coef: float, max_norm: float | None, norm: float, skip: bool, lr_scale: float = 1.0) -> None:
+        """Scale the window's gradient by ``coef`` (and clip to ``max_norm``), step, advance the LR, clear.
+
+        ``lr_scale`` multiplies the learning rate for this step only (LR coupling to the effective batch); it is
+        undone before the LR scheduler steps, so schedulers never see it.
+        """
         if not skip:
             scale = coef
             if max_norm is not None:
@@ -71,10 +75,11 @@ class TorchBackend:
             grads = self._grads()
             if grads and scale != 1.0:
                 torch._foreach_mul_(grads, scale)
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)
-            else:
-                self.optimizer.step()
+            with _scaled_lr(self.optimizer, lr_scale):
+                if self.scaler is not None:
+                    self.scaler.step(self.optimizer)
+                else:
+                    self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update()
         if self.lr_scheduler is not None:
@@ -91,6 +96,21 @@ class TorchBackend:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+@contextlib.contextmanager
+def _scaled_lr(optimizer, scale: float):
+    if scale == 1.0:
+        yield
+        return
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * scale
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved):
+            group["lr"] = lr
 
 
 class _Counter:

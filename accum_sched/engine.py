@@ -36,6 +36,7 @@ NORMALIZE = ("elements", "micro_batches")
 UNEVEN = ("truncate", "error")
 NONFINITE = ("skip", "raise")
 PRECISION = ("fp32", "bf16", "fp16")
+LR_COUPLING = ("none", "linear", "sqrt")
 
 
 @dataclass
@@ -89,13 +90,18 @@ class AccumulationEngine:
         precision: ``"fp32"``, ``"bf16"`` (autocast, CPU or GPU) or ``"fp16"`` (autocast + GradScaler, GPU only).
         micro_batch_size: only used to report the effective batch (``micro x factor x world``).
         count_allreduce: count DDP gradient all-reduce rounds with a comm hook (default True).
+        lr_coupling: scale the learning rate with the effective batch when the factor changes: ``"none"``
+            (default), ``"linear"`` (LR x factor / first factor) or ``"sqrt"`` (LR x sqrt of that ratio). Applied
+            to each optimizer step on top of the LR scheduler, which never sees it.
     """
 
     def __init__(self, model, optimizer=None, schedule=1, *, lr_scheduler=None, max_grad_norm: float | None = None,
                  normalize: str = "elements", uneven: str = "truncate", nonfinite: str = "skip",
-                 precision: str = "fp32", micro_batch_size: int | None = None, count_allreduce: bool = True):
+                 precision: str = "fp32", micro_batch_size: int | None = None, count_allreduce: bool = True,
+                 lr_coupling: str = "none"):
         for name, value, allowed in (("normalize", normalize, NORMALIZE), ("uneven", uneven, UNEVEN),
-                                     ("nonfinite", nonfinite, NONFINITE), ("precision", precision, PRECISION)):
+                                     ("nonfinite", nonfinite, NONFINITE), ("precision", precision, PRECISION),
+                                     ("lr_coupling", lr_coupling, LR_COUPLING)):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -105,6 +111,7 @@ class AccumulationEngine:
         self.normalize, self.uneven, self.nonfinite = normalize, uneven, nonfinite
         self.max_grad_norm = max_grad_norm
         self.precision = precision
+        self.lr_coupling = lr_coupling
         self.micro_batch_size = micro_batch_size
         scaler = None
         if precision == "fp16":
@@ -287,9 +294,16 @@ class AccumulationEngine:
             coef = 1.0 / size
         else:
             coef = (self.world_size if self.backend.averages_over_world else 1) / max(n_total, 1.0)
-        lr = self.backend.lr()
+        lr_scale = self._lr_scale(factor)
+        lr = self.backend.lr() * lr_scale
         grad_norm = float(norm) * coef
-        self.backend.step(coef, self.max_grad_norm, float(norm), skip)
+        on_window = getattr(self.backend, "on_window", None)
+        if on_window is not None:  # a back end with its own batch bookkeeping (DeepSpeed's GAS, global_samples)
+            on_window(factor, size, int(round(samples)))
+        if lr_scale == 1.0:
+            self.backend.step(coef, self.max_grad_norm, float(norm), skip)
+        else:
+            self.backend.step(coef, self.max_grad_norm, float(norm), skip, lr_scale=lr_scale)
 
         self.optimizer_steps += 1
         self.skipped_steps += int(skip)
@@ -308,6 +322,18 @@ class AccumulationEngine:
                         "no elements in the window" if n_total_int == 0 else "non-finite loss or gradient")
         for callback in self.callbacks:
             callback(info)
+
+    def _lr_scale(self, factor: int) -> float:
+        """LR multiplier for a window of ``factor``: effective batch relative to the schedule's first factor.
+
+        Linear keeps LR / batch constant (Goyal et al. 2017); sqrt keeps the update noise's variance constant.
+        Smith et al. 2017 argue the other way round (grow the batch *instead of* decaying the LR), which is why
+        the default is none.
+        """
+        if self.lr_coupling == "none":
+            return 1.0
+        ratio = factor / self.schedule.factor_at(0)
+        return ratio if self.lr_coupling == "linear" else ratio ** 0.5
 
     # -- resume -------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -69,6 +69,34 @@ def _parse_threshold(text, unit: str, entry: str) -> int:
     return value
 
 
+def _check_increasing(pairs: list, key: int, unit: str, entry: str) -> None:
+    """Step/sample/token thresholds are a ramp written in order (as Megatron's); a smaller key after a larger
+    one is almost always a typo (a missing suffix), so it is refused. Epoch mappings keep Lightning's leniency."""
+    if unit != "epoch" and pairs and key < pairs[-1][0]:
+        raise ValueError(f"schedule entry {entry}: threshold {key} comes after {pairs[-1][0]}; "
+                         f"{unit} thresholds must increase (check for a missing K/M/B/T suffix)")
+
+
+def _ramp_pairs(ramp, unit: str) -> list[tuple[int, int]]:
+    """A linear ramp from ``start`` to ``end`` over ``over`` units, as the thresholds where each factor begins:
+    factor(v) = start + sign(end - start) * floor(|end - start| * v / over) for v < over, then ``end``."""
+    if not isinstance(ramp, Mapping) or set(ramp) != {"start", "end", "over"}:
+        raise ValueError("schedule ramp needs exactly start, end and over; write {ramp: {start: 1, end: 8, over: 1000}}")
+    start = _check_factor(ramp["start"], f"ramp start {ramp['start']!r}")
+    end = _check_factor(ramp["end"], f"ramp end {ramp['end']!r}")
+    over = _parse_threshold(ramp["over"], unit, f"ramp over {ramp['over']!r}")
+    if over < 1:
+        raise ValueError(f"schedule ramp: over={over} must be >= 1 {unit}")
+    if start == end:
+        return [(0, start)]
+    step = 1 if end > start else -1
+    pairs = []
+    for factor in range(start, end + step, step):
+        # the first v with floor(|end - start| * v / over) >= |factor - start|
+        pairs.append((-(-abs(factor - start) * over // abs(end - start)), factor))
+    return pairs
+
+
 def _check_factor(value, entry: str) -> int:
     if isinstance(value, str) and _digits(value.strip()):
         value = int(value.strip())
@@ -82,8 +110,9 @@ class AccumulationSchedule:
     """A piecewise-constant gradient-accumulation factor, e.g. ``{0: 1, 5: 2, 10: 4}``.
 
     ``spec`` may be a mapping ``{key: factor}`` (int keys, or digit strings as JSON gives them), a string
-    ``"0:1,5:2,10:4"``, an int (a constant factor), or another AccumulationSchedule. The caller's object is never
-    modified. ``unit`` says what the keys count: ``epoch`` (default, 0-indexed epochs), ``step`` (optimizer steps
+    ``"0:1,5:2,10:4"``, an int (a constant factor), a linear ramp ``{"ramp": {"start": 1, "end": 8, "over": 1000}}``
+    (the factor moves one step from start toward end every over/|end - start| units, reaching end at ``over``), or another AccumulationSchedule.
+    The caller's object is never modified. ``unit`` says what the keys count: ``epoch`` (default, 0-indexed epochs), ``step`` (optimizer steps
     completed), ``samples`` or ``tokens`` (consumed, globally); the last two accept K/M/B/T suffixes.
     """
 
@@ -118,6 +147,7 @@ class AccumulationSchedule:
                     raise ValueError(f"schedule entry {part!r} is not 'key:factor'; write e.g. '0:1,5:2,10:4'")
                 key_text, factor_text = (s.strip() for s in part.split(":"))
                 key = _parse_threshold(key_text, unit, repr(part))
+                _check_increasing(pairs, key, unit, repr(part))
                 if key in seen:
                     raise ValueError(f"schedule entry {part!r}: key {key} is given twice; keep one factor per key")
                 seen.add(key)
@@ -127,6 +157,10 @@ class AccumulationSchedule:
             if not pairs:
                 raise ValueError("schedule is empty; give at least one entry such as '0:1'")
             return pairs
+        if isinstance(spec, Mapping) and "ramp" in spec:
+            if len(spec) != 1:
+                raise ValueError("schedule: a ramp stands alone; write {ramp: {start: 1, end: 8, over: 1000}}")
+            return _ramp_pairs(spec["ramp"], unit)
         if isinstance(spec, Mapping):
             if not spec:
                 raise ValueError("schedule is empty; give at least one entry such as {0: 1}")
@@ -136,6 +170,7 @@ class AccumulationSchedule:
                 if isinstance(raw_key, bool):
                     raise ValueError(f"schedule entry {entry}: key must be an integer, not bool")
                 key = _parse_threshold(raw_key, unit, entry)
+                _check_increasing(pairs, key, unit, entry)
                 if key in seen:
                     raise ValueError(f"schedule entry {entry}: key {key} is given twice; keep one factor per key")
                 seen.add(key)
@@ -182,16 +217,18 @@ class AccumulationSchedule:
         full, rest = divmod(batches, factor)
         return [factor] * full + ([rest] if rest else [])
 
-    def optimizer_steps(self, batches_per_epoch: int | Sequence[int], epochs: int) -> int:
+    def optimizer_steps(self, batches_per_epoch: int | Sequence[int], epochs: int, **per_micro_step) -> int:
         """Exact optimizer steps over ``epochs`` epochs: sum of ceil(batches / factor) (partial windows step).
 
         ``batches_per_epoch`` is one int, or one int per epoch. Step-, sample- and token-keyed schedules are
-        counted by simulation in :mod:`accum_sched.planning`.
+        counted by simulation in :mod:`accum_sched.planning`; samples and tokens need
+        ``samples_per_micro_step=`` / ``tokens_per_micro_step=`` (global counts per micro-step: an int or a
+        function ``(epoch, index) -> int``).
         """
         if self.unit != "epoch":
             from accum_sched.planning import simulate_steps
 
-            return simulate_steps(self, batches_per_epoch, epochs)
+            return simulate_steps(self, batches_per_epoch, epochs, **per_micro_step)
         per_epoch = _per_epoch(batches_per_epoch, epochs)
         return sum(math.ceil(n / self.factor(e)) for e, n in enumerate(per_epoch))
 

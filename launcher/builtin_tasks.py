@@ -98,4 +98,7 @@ def charlm(max_len: int = 64, d_model: int = 64, n_heads: int = 4, n_layers: int
                                  ignore_index=PAD, reduction="sum")
         return losses, (targets != PAD).sum()
 
-    return {"model": model, "dataset": dataset, "loss_fn": loss_fn, "collate_fn": pad_batch}
+    def count_fn(tokens):
+        return int((tokens[:, 1:] != PAD).sum())
+
+    return {"model": model, "dataset": dataset, "loss_fn": loss_fn, "collate_fn": pad_batch, "count_fn": count_fn}

@@ -12,6 +12,8 @@ def add_parser(sub) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
     p.add_argument("--batches-per-epoch", type=int, default=None, metavar="N",
                    help="micro-batches per rank per epoch, to print optimizer steps per epoch and in total")
+    p.add_argument("--tokens-per-micro-batch", type=int, default=None, metavar="T",
+                   help="tokens in one rank's micro-batch, to count the steps of a token-keyed schedule")
     p.set_defaults(func=main)
 
 
@@ -33,8 +35,35 @@ def main(args) -> int:
     print(f"config {args.config}: OK")
     print(f"task {cfg.task.target}, backend {cfg.distributed.backend}, world {cfg.world_size} "
           f"({cfg.distributed.nnodes} node(s) x {cfg.distributed.nproc_per_node}), {cfg.run.epochs} epochs")
-    print(schedule.table(cfg.data.micro_batch_size, cfg.world_size, epochs=cfg.run.epochs,
+    epochs_shown = cfg.run.epochs if schedule.unit == "epoch" else None
+    print(schedule.table(cfg.data.micro_batch_size, cfg.world_size, epochs=epochs_shown,
                          batches_per_epoch=args.batches_per_epoch))
     if args.batches_per_epoch is None:
         print("(give --batches-per-epoch N to see optimizer steps)")
+    elif schedule.unit != "epoch":
+        print(_simulated_totals(cfg, schedule, args))
     return 0
+
+
+def _simulated_totals(cfg: Config, schedule, args) -> str:
+    """Per-epoch and total optimizer steps of a step/sample/token-keyed schedule, by replaying its windows."""
+    from accum_sched.planning import simulate_windows
+
+    world, micro = cfg.world_size, cfg.data.micro_batch_size
+    per_step = {"samples_per_micro_step": micro * world}
+    if schedule.unit == "tokens":
+        if args.tokens_per_micro_batch is None:
+            return "(give --tokens-per-micro-batch T to count the steps of a token-keyed schedule)"
+        if args.tokens_per_micro_batch < 1:
+            raise ConfigError("--tokens-per-micro-batch", f"must be >= 1, got {args.tokens_per_micro_batch}",
+                              "give the tokens of one rank's micro-batch")
+        per_step = {"tokens_per_micro_step": args.tokens_per_micro_batch * world}
+    steps = [0] * cfg.run.epochs
+    factors: list[set] = [set() for _ in range(cfg.run.epochs)]
+    for epoch, factor, _ in simulate_windows(schedule, args.batches_per_epoch, cfg.run.epochs, **per_step):
+        steps[epoch] += 1
+        factors[epoch].add(factor)
+    lines = ["epoch  factors  steps"]
+    lines += [f"{e:>5}  {','.join(map(str, sorted(f))):>7}  {s:>5}" for e, (f, s) in enumerate(zip(factors, steps))]
+    lines.append(f"total optimizer steps over {cfg.run.epochs} epochs: {sum(steps)}")
+    return "\n".join(lines)

@@ -55,7 +55,9 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "num_workers": Field("int", 0, check=_at_least(0)),
     },
     "accumulation": {
-        "schedule": Field("schedule", 1),
+        "schedule": Field("schedule", None, nullable=True),  # None: factor 1, or derived from global_batch
+        "global_batch": Field("int", None, nullable=True, check=_at_least(1)),
+        "lr_coupling": Field("str", "none", choices=("none", "linear", "sqrt")),
         "unit": Field("str", "epoch", choices=UNITS),
         "normalize": Field("str", "elements", choices=("elements", "micro_batches")),
         "uneven": Field("str", "truncate", choices=("truncate", "error")),
@@ -89,6 +91,10 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "every_n_steps": Field("int", None, nullable=True, check=_at_least(1)),
         "keep_last": Field("int", 2, check=_at_least(1)),
         "dir": Field("str", None, nullable=True),
+        # resume a checkpoint made under different training fields (see launcher/checkpoint_store.py)
+        "force_resume": Field("bool", False),
+        # resuming on another world size: error | keep_global_batch | keep_factor (notes/checkpoint.md)
+        "on_world_change": Field("str", "error", choices=("error", "keep_global_batch", "keep_factor")),
     },
     "logging": {
         "progress": Field("str", "auto", choices=("auto", "bar", "plain", "none")),
@@ -156,7 +162,20 @@ class Config:
 
     @property
     def schedule(self) -> AccumulationSchedule:
-        return AccumulationSchedule(self.accumulation.schedule, self.accumulation.unit)
+        return self.schedule_for(self.world_size)
+
+    def schedule_for(self, world_size: int) -> AccumulationSchedule:
+        """The schedule at ``world_size`` ranks: as written, or the constant factor of ``global_batch``."""
+        acc = self.accumulation
+        if acc.global_batch is None:
+            return AccumulationSchedule(1 if acc.schedule is None else acc.schedule, acc.unit)
+        per_factor = self.data.micro_batch_size * world_size
+        if acc.global_batch % per_factor:
+            raise ConfigError("accumulation.global_batch",
+                              f"{acc.global_batch} is not a multiple of micro_batch_size x world = "
+                              f"{self.data.micro_batch_size} x {world_size} = {per_factor}",
+                              "choose a global batch that micro x world divides, or change the micro-batch")
+        return AccumulationSchedule(acc.global_batch // per_factor, acc.unit)
 
     @property
     def world_size(self) -> int:
@@ -258,6 +277,9 @@ def validate(raw: dict) -> Config:
 
 
 def _cross_check(cfg: Config) -> None:
+    if cfg.accumulation.global_batch is not None and cfg.accumulation.schedule is not None:
+        raise ConfigError("accumulation.global_batch", "is given together with accumulation.schedule",
+                          "keep one: a schedule of factors, or a fixed global batch")
     try:
         schedule = cfg.schedule
     except ValueError as exc:

@@ -1,7 +1,8 @@
 """Tasks: what to train. `task.target` is "module:function" (or "builtin:NAME"), called with `task.args`.
 
 The function returns a mapping or object with ``model`` (nn.Module), ``dataset`` (map-style Dataset),
-``loss_fn(model, batch) -> (loss_sum, n_elements)`` and optionally ``collate_fn``.
+``loss_fn(model, batch) -> (loss_sum, n_elements)`` and optionally ``collate_fn`` and ``count_fn(batch) ->
+n_elements`` (the same count without a forward pass; needed only to plan LR totals of token-keyed schedules).
 
 `check_target` verifies a target before launch without importing it (so without torch): the module must be
 findable and define the function at top level.
@@ -30,6 +31,7 @@ class Task:
     dataset: Any
     loss_fn: Callable
     collate_fn: Callable | None = None
+    count_fn: Callable | None = None  # batch -> elements (tokens) without a forward; plans token-keyed schedules
 
 
 def resolve(target: str) -> tuple[str, str]:
@@ -103,4 +105,5 @@ def build(target: str, args: dict) -> Task:
     if missing:
         raise ConfigError("task.target", f"{target} returned no {', '.join(missing)}",
                           "return a mapping with model, dataset, loss_fn (and optionally collate_fn)")
-    return Task(model=get("model"), dataset=get("dataset"), loss_fn=get("loss_fn"), collate_fn=get("collate_fn"))
+    return Task(model=get("model"), dataset=get("dataset"), loss_fn=get("loss_fn"), collate_fn=get("collate_fn"),
+                count_fn=get("count_fn"))
