@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+from launcher import checkpoint_store
 from launcher.cmd_check import preflight
 from launcher.config import load_config, write_resolved
 from launcher.errors import ConfigError
@@ -41,6 +42,7 @@ def main(args) -> int:
     if args.node_rank is not None and not 0 <= args.node_rank < dist.nnodes:
         raise ConfigError("--node-rank", f"{args.node_rank} is outside 0..{dist.nnodes - 1}", "number nodes from 0")
     preflight(cfg)
+    checkpoint_store.preflight(cfg, args.resume)  # damaged checkpoint, other config or world size: exit 2 here
 
     run_dir = cfg.run.output_dir
     os.makedirs(run_dir, exist_ok=True)

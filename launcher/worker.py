@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from accum_sched import AccumulationEngine
 from launcher import tasks
+from launcher.checkpoint import Checkpointer
 from launcher.config import Config, load_config
 from launcher.metrics import MetricsWriter, Progress, atomic_write_json
 from launcher.optim import build_lr_scheduler, build_optimizer
@@ -68,9 +69,18 @@ def init_distributed(cfg: Config, launch) -> torch.device:
         backend = ("nccl" if use_cuda else "gloo") if wanted == "auto" else wanted
         os.environ.setdefault("MASTER_ADDR", launch.master_addr)
         os.environ.setdefault("MASTER_PORT", str(launch.master_port))
-        dist.init_process_group(backend, init_method="env://", rank=launch.rank, world_size=launch.world_size,
-                                timeout=timedelta(seconds=cfg.distributed.timeout_s),
-                                device_id=device if use_cuda else None)
+        timeout = timedelta(seconds=cfg.distributed.timeout_s)
+        where = {"init_method": "env://"}
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun keeps its store across restarts of a failed worker group and env:// does not prefix the keys
+            # by attempt (torch 2.13), so a restarted group read the dead group's gloo addresses and failed to
+            # connect (tests/test_checkpoint.py). Give every attempt its own key space.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launch.world_size,
+                                  is_master=False, timeout=timeout)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            where = {"store": dist.PrefixStore(f"accum-sched/attempt_{attempt}", store)}
+        dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
+                                device_id=device if use_cuda else None, **where)
     return device
 
 
@@ -89,7 +99,9 @@ class Trainer:
         self.loader = DataLoader(self.task.dataset, batch_size=cfg.data.micro_batch_size, sampler=self.sampler,
                                  drop_last=cfg.data.drop_last, num_workers=cfg.data.num_workers,
                                  collate_fn=self.task.collate_fn, pin_memory=device.type == "cuda")
-        self.schedule = cfg.schedule
+        # finds the checkpoint to resume (rank 0 reads, all agree); its world size may rescale the schedule
+        self.checkpointer = Checkpointer(cfg, self.rank, self.world, resume, device)
+        self.schedule = self.checkpointer.schedule(cfg.schedule)
         self.total_steps = self.schedule.optimizer_steps(len(self.loader), cfg.run.epochs)
         self.model = self.task.model.to(device)
         self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
@@ -130,6 +142,7 @@ class Trainer:
 
     def fit(self) -> None:
         cfg = self.cfg
+        self.checkpointer.restore(self)  # before the metrics writer: it cuts metrics.jsonl back to the checkpoint
         if self.rank == 0:
             os.makedirs(self.run_dir, exist_ok=True)
             self.metrics = MetricsWriter(self.run_dir, cfg.logging.tensorboard, self.start)
@@ -138,12 +151,14 @@ class Trainer:
                   f"{cfg.data.micro_batch_size} per rank per epoch, {cfg.run.epochs} epochs, "
                   f"{self.total_steps} optimizer steps, schedule {self.schedule.to_dict()}", flush=True)
         self.engine.on_step(self._on_step)
+        self.engine.on_step(self.checkpointer.on_step)  # after the metrics line of the same step
         for epoch in range(self.engine.epoch_index, cfg.run.epochs):
             began = time.time()
             self.sampler.set_epoch(epoch)
-            self.engine.train_epoch(self.loader, self.loss_fn, epoch)
+            self.engine.train_epoch(self.checkpointer.loader(epoch, self.loader), self.loss_fn, epoch)
             if self.engine.should_stop:
                 break
+            self.checkpointer.epoch_end()
             if self.progress is not None and self.engine.last_step is not None:
                 self.progress.epoch_end(epoch, self.engine.last_step.loss, time.time() - began)
         self.finish()

@@ -1,0 +1,414 @@
+"""The workers' Checkpointer: save at optimizer-step boundaries, resume at the exact micro-batch.
+
+What a checkpoint holds (``trainer.pt``, written by rank 0, loadable with ``torch.load(weights_only=True)``: only
+tensors and plain Python values): model, optimizer, LR scheduler, GradScaler, ``engine.state_dict()`` (epoch,
+micro-batch within it, counters), the sampler epoch, the last StepInfo, and every rank's RNG states (torch, numpy,
+python, CUDA), gathered to rank 0 so one file holds them all. A DeepSpeed engine writes its own per-rank files
+into the same directory (``ds_engine.save_checkpoint``); ``trainer.pt`` then holds no model or optimizer.
+
+When: at every epoch end, every ``checkpoint.every_n_steps`` optimizer steps (from the engine's on_step
+callback), and at the step where ``engine.should_stop`` turns True (preemption). Always between windows: a window's
+partial gradient is never saved, so resuming replays at most the micro-batches of one unfinished window.
+
+Resume replays nothing already trained: the engine skips the epoch's micro-batches before the checkpoint, and the
+RNG is put back so that what the resumed run draws equals what the uninterrupted run drew (see `_EpochLoader`).
+On another world size (checkpoint.on_world_change) the rest of an interrupted epoch is re-dealt over the new ranks
+in the same global order, so every sample of that epoch is still trained exactly once.
+
+Collective: every method that saves or restores must be called on every rank at the same point.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from launcher import checkpoint_store as store
+from launcher.errors import ConfigError
+
+DS_TAG = "deepspeed"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (damaged, another config, another world size): raised on every rank."""
+
+
+# -- RNG --------------------------------------------------------------------------------------------------------
+def rng_state(device: torch.device) -> dict:
+    """This process's RNG states as tensors and plain values (safe for weights_only loading)."""
+    version, internal, gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss}}
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached": float(cached)}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    if "numpy" in state:
+        import numpy as np
+
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def seed_rank(seed: int, rank: int, step: int, device: torch.device) -> None:
+    """A rank that has no saved RNG state (the world grew): a stream of its own, derived from seed, rank, step."""
+    value = (seed * 1_000_003 + rank * 7919 + step) % 2**63
+    random.seed(value)
+    torch.manual_seed(value)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(value)
+    try:
+        import numpy as np
+
+        np.random.seed(value % 2**32)
+    except ImportError:
+        pass
+
+
+# -- the sample order of one epoch ------------------------------------------------------------------------------
+def global_order(dataset, epoch: int, world: int, shuffle: bool, seed: int) -> list[int]:
+    """The epoch's samples as DistributedSampler deals them over ``world`` ranks, read rank-interleaved: position
+    j of rank r is global position j*world + r, so the first k micro-batches of every rank are a prefix."""
+    shards = []
+    for r in range(world):
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=r, shuffle=shuffle, seed=seed, drop_last=False)
+        sampler.set_epoch(epoch)
+        shards.append(list(sampler))
+    return [shard[j] for j in range(len(shards[0])) for shard in shards]
+
+
+def deal(order: list[int], world: int, rank: int) -> list[int]:
+    """This rank's share of ``order``, padded like DistributedSampler so every rank gets as many samples."""
+    if not order:
+        return []
+    padded = list(order)
+    while len(padded) % world:
+        padded += order[: world - len(padded) % world]
+    return padded[rank::world]
+
+
+class _EpochLoader:
+    """The loader the engine sees for one epoch (len() and iter() only).
+
+    The DataLoader draws its base seed from the global torch RNG when its iterator is made, so the RNG state just
+    before ``iter()`` is recorded: a checkpoint mid-epoch saves it with the current one. Resuming mid-epoch puts
+    the epoch-start state back before ``iter()`` (the same base seed, so the same worker seeds) and the checkpoint's
+    state right before the first micro-batch not trained yet is fetched (after the engine has skipped the others).
+    """
+
+    def __init__(self, owner: "Checkpointer", loader, restore_at: int | None = None, state: dict | None = None):
+        self.owner, self.loader, self.restore_at, self.state = owner, loader, restore_at, state
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        self.owner._apply_pending_rng()
+        self.owner._epoch_start_rng = rng_state(self.owner.device)
+        self.owner._epoch_batches = len(self.loader)
+        iterator = iter(self.loader)
+        if self.restore_at is None:
+            return iterator
+        return self._replay(iterator)
+
+    def _replay(self, iterator):
+        index = 0
+        while True:
+            if index == self.restore_at:
+                set_rng_state(self.state, self.owner.device)
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            yield batch
+            index += 1
+
+
+class Checkpointer:
+    """Saves and restores one rank's training state. Built by the Trainer before its schedule (the resume point
+    decides a rescaled schedule on a world-size change); ``restore(trainer)`` before training.
+
+    ``resume`` is None (start afresh: checkpoints of an earlier run in the folder are removed), ``"auto"`` or a
+    path. Under torchrun, a restarted worker group (TORCHELASTIC_RESTART_COUNT > 0) resumes from the newest valid
+    checkpoint by itself, falling back to ``resume`` when the failed attempt had not saved one yet.
+    """
+
+    def __init__(self, cfg, rank: int, world: int, resume: str | None = None, device=None):
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.device = device or torch.device("cpu")
+        self.root = os.path.abspath(store.checkpoint_root(cfg))
+        self.every = cfg.checkpoint.every_n_steps
+        self.keep = cfg.checkpoint.keep_last
+        self.hash = store.config_hash(cfg)
+        self.trainer = None
+        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self.fresh = resume is None and self.restarts == 0
+        self.found = None if self.fresh else self._on_rank0(lambda: self._locate(resume))
+        self.scale = (1, 1)
+        self.diffs: list = []
+        if self.found is not None:
+            path, manifest = self.found
+            self.diffs = self._on_rank0(lambda: store.check_config(path, manifest, cfg))
+            self.scale = self._on_rank0(lambda: store.factor_scale(dict(manifest, name=path), cfg, world))
+        self._last_saved = -1
+        self._epoch_start_rng: dict | None = None
+        self._epoch_batches: int | None = None
+        self._pending_rng = None  # applied at the next epoch's iter(): a state dict, or a step to seed from
+        self._replay: tuple[int, int, dict] | None = None  # (epoch, micro-batch, RNG state) of a mid-epoch resume
+        self._order: tuple[int, list[int]] | None = None  # (epoch, global sample order) re-dealt after a world change
+        self._order_loader = None
+
+    # -- collectives --------------------------------------------------------------------------------------------
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and self.world > 1
+
+    def _on_rank0(self, fn):
+        """Rank 0 decides (reads the disk), every rank gets the same answer or raises the same error."""
+        result = error = None
+        if self.rank == 0:
+            try:
+                result = fn()
+            except ConfigError as exc:
+                error = exc.line()
+        if self._distributed():
+            box = [result, error]
+            dist.broadcast_object_list(box, src=0)
+            result, error = box
+        if error:
+            raise CheckpointError(error)
+        return result
+
+    def _barrier(self) -> None:
+        if self._distributed():
+            dist.barrier()
+
+    def _say(self, text: str, stream=None) -> None:
+        if self.rank == 0:
+            print(f"accum-sched: {text}", file=stream or sys.stdout, flush=True)
+
+    # -- where to resume from ------------------------------------------------------------------------------------
+    def _locate(self, resume: str | None):
+        report = lambda problem: self._say(problem, sys.stderr)  # noqa: E731
+        if self.restarts > 0:
+            found = store.find(self.root, "auto", report)
+            if found is not None or resume in (None, "auto"):
+                return found
+        found = store.find(self.root, resume, report)
+        if found is None:
+            self._say(f"--resume auto: no checkpoint in {self.root} yet; starting afresh")
+        return found
+
+    def schedule(self, config_schedule):
+        """The schedule to train with: the config's, rescaled when a world-size change keeps the global batch."""
+        if self.scale == (1, 1):
+            return config_schedule
+        from accum_sched import AccumulationSchedule
+
+        return AccumulationSchedule(store.scaled_milestones(config_schedule.milestones, self.scale),
+                                    config_schedule.unit)
+
+    # -- resume -------------------------------------------------------------------------------------------------
+    def restore(self, trainer) -> int:
+        """Attach to ``trainer`` and load the checkpoint found at construction, if any. Returns its step (0 if
+        none). Rank 0 also cuts metrics.jsonl back to that step and sets newer checkpoints aside."""
+        self.trainer = trainer
+        if self.found is None:
+            if self.rank == 0:
+                if self.fresh:
+                    old = store.list_checkpoints(self.root)
+                    if old:
+                        for _, p in old:
+                            shutil.rmtree(p)
+                        self._say(f"starting afresh: removed {len(old)} checkpoint(s) of an earlier run from "
+                                  f"{self.root} (run with --resume to continue a run)", sys.stderr)
+                store.truncate_metrics(trainer.run_dir, 0)
+            return 0
+        path, manifest = self.found
+        for field, old, new in self.diffs:
+            self._say(f"warning: checkpoint.force_resume: {field} was {old!r} in the checkpoint, now {new!r}",
+                      sys.stderr)
+        state = self._load(os.path.join(path, store.STATE))
+        self._load_model(trainer, state, path)
+        engine = trainer.engine
+        engine_state = dict(state["engine"])
+        epoch, micro = int(engine_state["epoch"]), int(engine_state["micro_batch"])
+        batches = int(manifest["batches_per_epoch"])
+        old_world = int(manifest["world_size"])
+        order = state.get("epoch_order")
+        if old_world != self.world and micro > 0:
+            if micro >= batches:  # the epoch was complete: continue with the next one
+                engine_state["epoch"], engine_state["micro_batch"] = epoch + 1, 0
+            else:  # the rest of the epoch, in the same global order, dealt over the new ranks
+                if order is None or int(order["epoch"]) != epoch:
+                    full = global_order(trainer.task.dataset, epoch, old_world, self.cfg.data.shuffle,
+                                        self.cfg.run.seed)
+                else:
+                    full = order["indices"].tolist()
+                self._order = (epoch, full[old_world * micro * self.cfg.data.micro_batch_size:])
+                engine_state["micro_batch"] = 0
+        elif order is not None and int(order["epoch"]) == epoch:
+            self._order = (epoch, order["indices"].tolist())  # a re-dealt epoch, resumed on the same world
+        engine.load_state_dict(engine_state)
+        if state.get("last_step"):
+            from accum_sched.engine import StepInfo
+
+            engine.last_step = StepInfo(**state["last_step"])
+        trainer.sampler.set_epoch(int(state["sampler_epoch"]))
+
+        step = int(engine_state["optimizer_steps"])
+        saved = state["rng"]
+        mine = saved[self.rank] if self.rank < len(saved) else None
+        if mine is None:
+            self._pending_rng = step
+        elif old_world == self.world and 0 < micro < batches and mine.get("epoch_start") is not None:
+            self._pending_rng = mine["epoch_start"]
+            self._replay = (epoch, micro, mine["now"])
+        else:
+            self._pending_rng = mine["now"]
+        self._last_saved = step
+        if self.rank == 0:
+            for s, p in store.list_checkpoints(self.root):
+                if s > step:  # a future that did not happen (damaged, or the user resumed an older one)
+                    self._say(f"set aside {p} -> {store.set_aside(p)}", sys.stderr)
+            store.truncate_metrics(trainer.run_dir, step)
+            where = f"epoch {engine.epoch_index + 1}, micro-batch {engine.micro_in_epoch}"
+            if self._order is not None and old_world != self.world:
+                where = f"epoch {epoch + 1}: the {len(self._order[1])} samples not trained yet, re-dealt"
+            self._say(f"resumed from {path} (step {step}, {where}; saved by {old_world} workers)")
+        self._barrier()
+        return step
+
+    def _load(self, path: str) -> dict:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # checksums passed, so this is a format problem: name the file
+            raise CheckpointError(f"{path}: cannot be loaded ({type(exc).__name__}: {exc})") from exc
+
+    def _load_model(self, trainer, state: dict, path: str) -> None:
+        if trainer.ds_engine is not None:
+            # DeepSpeed hook: the engine restores module, (ZeRO-sharded) optimizer and LR scheduler from its files.
+            loaded, _ = trainer.ds_engine.load_checkpoint(path, tag=DS_TAG, load_optimizer_states=True,
+                                                          load_lr_scheduler_states=True)
+            if loaded is None:
+                raise CheckpointError(f"{os.path.join(path, DS_TAG)}: DeepSpeed could not load it")
+            return
+        trainer.model.load_state_dict(state["model"])
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        if trainer.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        scaler = getattr(trainer.engine.backend, "scaler", None)
+        if scaler is not None and state.get("scaler") is not None:
+            scaler.load_state_dict(state["scaler"])
+
+    def _apply_pending_rng(self) -> None:
+        pending, self._pending_rng = self._pending_rng, None
+        if isinstance(pending, dict):
+            set_rng_state(pending, self.device)
+        elif pending is not None:
+            seed_rank(self.cfg.run.seed, self.rank, pending, self.device)
+
+    def loader(self, epoch: int, loader):
+        """What the engine should iterate in ``epoch``: ``loader`` itself (wrapped to track the RNG), or the
+        re-dealt rest of an epoch interrupted on another world size."""
+        if self._order is not None and self._order[0] == epoch:
+            if self._order_loader is None:
+                share = deal(self._order[1], self.world, self.rank)
+                self._order_loader = DataLoader(
+                    loader.dataset, batch_size=loader.batch_size, sampler=share, drop_last=loader.drop_last,
+                    num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory)
+            loader = self._order_loader
+        if self._replay is not None and self._replay[0] == epoch:
+            _, micro, state = self._replay
+            self._replay = None
+            return _EpochLoader(self, loader, micro, state)
+        return _EpochLoader(self, loader)
+
+    # -- save ---------------------------------------------------------------------------------------------------
+    def on_step(self, info) -> None:
+        """engine.on_step callback: every ``every_n_steps`` steps, and when the ranks agreed to stop."""
+        if (self.every and info.step % self.every == 0) or self.trainer.engine.should_stop:
+            self.save("stop" if self.trainer.engine.should_stop else "step")
+
+    def epoch_end(self) -> None:
+        self.save("epoch")
+
+    def save_now(self, reason: str = "request") -> str | None:
+        """Save at the current optimizer boundary (e.g. preemption, once ``engine.should_stop`` is True). Collective;
+        a no-op returning None if this step is already saved (on_step saves at the stop step by itself)."""
+        return self.save(reason)
+
+    def save(self, reason: str) -> str | None:
+        trainer, engine = self.trainer, self.trainer.engine
+        step = engine.optimizer_steps
+        if step == self._last_saved:
+            return None
+        final = store.step_dir(self.root, step)
+        tmp = final + ".tmp"
+        if self.rank == 0:
+            os.makedirs(self.root, exist_ok=True)
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+        mine = {"now": rng_state(self.device), "epoch_start": self._epoch_start_rng}
+        rngs = [None] * self.world
+        if self._distributed():
+            dist.all_gather_object(rngs, mine)  # also orders every rank after rank 0's mkdir
+        else:
+            rngs = [mine]
+        if trainer.ds_engine is not None:
+            trainer.ds_engine.save_checkpoint(tmp, tag=DS_TAG, save_latest=False)
+        engine_state = engine.state_dict()
+        if self.rank == 0:
+            state = {
+                "format": store.FORMAT, "engine": engine_state, "sampler_epoch": int(trainer.sampler.epoch),
+                "last_step": None if engine.last_step is None else engine.last_step.to_dict(), "rng": rngs,
+                "config_hash": self.hash,
+            }
+            if self._order is not None and self._order[0] == engine.epoch_index:
+                state["epoch_order"] = {"epoch": self._order[0], "indices": torch.tensor(self._order[1])}
+            if trainer.ds_engine is None:
+                scaler = getattr(engine.backend, "scaler", None)
+                state.update(model=trainer.model.state_dict(), optimizer=trainer.optimizer.state_dict(),
+                             lr_scheduler=None if trainer.lr_scheduler is None else trainer.lr_scheduler.state_dict(),
+                             scaler=None if scaler is None else scaler.state_dict())
+            with open(os.path.join(tmp, store.STATE), "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+        self._barrier()  # every rank's files (DeepSpeed shards) are written
+        if self.rank == 0:
+            manifest = {
+                "format": store.FORMAT, "step": step, "epoch": engine_state["epoch"],
+                "micro_batch": engine_state["micro_batch"],
+                "batches_per_epoch": self._epoch_batches if self._epoch_batches is not None else len(trainer.loader),
+                "world_size": self.world, "factor_scale": list(self.scale),
+                "micro_batch_size": self.cfg.data.micro_batch_size, "config_hash": self.hash,
+                "config": store.training_config(self.cfg), "reason": reason, "deepspeed": trainer.ds_engine is not None,
+                "skipped_steps": engine.skipped_steps, "created": time.time(),
+            }
+            store.commit(tmp, final, manifest)
+            store.rotate(self.root, self.keep)
+        self._barrier()  # the checkpoint is committed for everyone
+        self._last_saved = step
+        return final
