@@ -191,6 +191,8 @@ class Checkpointer:
                 result = fn()
             except ConfigError as exc:
                 error = exc.line()
+            except Exception as exc:  # noqa: BLE001 -- the other ranks must not wait for an answer forever
+                error = f"{type(exc).__name__}: {exc}"
         if self._distributed():
             box = [result, error]
             dist.broadcast_object_list(box, src=0)
@@ -312,11 +314,11 @@ class Checkpointer:
                                                           load_lr_scheduler_states=True)
             if loaded is None:
                 raise CheckpointError(f"{os.path.join(path, DS_TAG)}: DeepSpeed could not load it")
-            return
-        trainer.model.load_state_dict(state["model"])
-        trainer.optimizer.load_state_dict(state["optimizer"])
+        else:
+            trainer.model.load_state_dict(state["model"])
+            trainer.optimizer.load_state_dict(state["optimizer"])
         if trainer.lr_scheduler is not None and state.get("lr_scheduler") is not None:
-            trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])  # also when DeepSpeed does not own it
         scaler = getattr(trainer.engine.backend, "scaler", None)
         if scaler is not None and state.get("scaler") is not None:
             scaler.load_state_dict(state["scaler"])
@@ -353,51 +355,41 @@ class Checkpointer:
     def epoch_end(self) -> None:
         self.save("epoch")
 
-    def save_now(self, reason: str = "request") -> str | None:
-        """Save at the current optimizer boundary (e.g. preemption, once ``engine.should_stop`` is True). Collective;
-        a no-op returning None if this step is already saved (on_step saves at the stop step by itself)."""
+    def save_now(self, reason: str = "request") -> str:
+        """Save at the current optimizer boundary (e.g. preemption, once ``engine.should_stop`` is True) and return
+        the checkpoint's path. Collective. If this step is saved already (on_step saves at the stop step by itself)
+        it only returns that checkpoint's path."""
         return self.save(reason)
 
-    def save(self, reason: str) -> str | None:
+    def save(self, reason: str) -> str:
         trainer, engine = self.trainer, self.trainer.engine
         step = engine.optimizer_steps
-        if step == self._last_saved:
-            return None
         final = store.step_dir(self.root, step)
+        if step == self._last_saved:
+            return final
         tmp = final + ".tmp"
-        if self.rank == 0:
-            os.makedirs(self.root, exist_ok=True)
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)
-            os.makedirs(tmp)
+        # Three phases, each closed by a gather of every rank's error (if any): a rank that fails to write makes
+        # all of them raise at once instead of leaving the others waiting in a barrier until the timeout.
+        self._together(f"preparing {tmp}", lambda: self._make_tmp(tmp) if self.rank == 0 else None)
         mine = {"now": rng_state(self.device), "epoch_start": self._epoch_start_rng}
         rngs = [None] * self.world
         if self._distributed():
-            dist.all_gather_object(rngs, mine)  # also orders every rank after rank 0's mkdir
+            dist.all_gather_object(rngs, mine)
         else:
             rngs = [mine]
-        if trainer.ds_engine is not None:
-            trainer.ds_engine.save_checkpoint(tmp, tag=DS_TAG, save_latest=False)
         engine_state = engine.state_dict()
-        if self.rank == 0:
-            state = {
-                "format": store.FORMAT, "engine": engine_state, "sampler_epoch": int(trainer.sampler.epoch),
-                "last_step": None if engine.last_step is None else engine.last_step.to_dict(), "rng": rngs,
-                "config_hash": self.hash,
-            }
-            if self._order is not None and self._order[0] == engine.epoch_index:
-                state["epoch_order"] = {"epoch": self._order[0], "indices": torch.tensor(self._order[1])}
-            if trainer.ds_engine is None:
-                scaler = getattr(engine.backend, "scaler", None)
-                state.update(model=trainer.model.state_dict(), optimizer=trainer.optimizer.state_dict(),
-                             lr_scheduler=None if trainer.lr_scheduler is None else trainer.lr_scheduler.state_dict(),
-                             scaler=None if scaler is None else scaler.state_dict())
-            with open(os.path.join(tmp, store.STATE), "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-        self._barrier()  # every rank's files (DeepSpeed shards) are written
-        if self.rank == 0:
+
+        def write():
+            if trainer.ds_engine is not None:  # collective: every rank writes its shards under tmp/deepspeed
+                trainer.ds_engine.save_checkpoint(tmp, tag=DS_TAG, save_latest=False)
+            if self.rank == 0:
+                self._write_state(os.path.join(tmp, store.STATE), engine_state, rngs)
+
+        self._together(f"writing {tmp}", write)
+
+        def commit():
+            if self.rank != 0:
+                return
             manifest = {
                 "format": store.FORMAT, "step": step, "epoch": engine_state["epoch"],
                 "micro_batch": engine_state["micro_batch"],
@@ -409,6 +401,47 @@ class Checkpointer:
             }
             store.commit(tmp, final, manifest)
             store.rotate(self.root, self.keep)
-        self._barrier()  # the checkpoint is committed for everyone
+
+        self._together(f"committing {final}", commit)
         self._last_saved = step
         return final
+
+    def _make_tmp(self, tmp: str) -> None:
+        os.makedirs(self.root, exist_ok=True)
+        if os.path.exists(tmp):  # left by a save that died half way
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+
+    def _write_state(self, path: str, engine_state: dict, rngs: list) -> None:
+        trainer, engine = self.trainer, self.trainer.engine
+        state = {
+            "format": store.FORMAT, "engine": engine_state, "sampler_epoch": int(trainer.sampler.epoch),
+            "last_step": None if engine.last_step is None else engine.last_step.to_dict(), "rng": rngs,
+            "config_hash": self.hash,
+            "lr_scheduler": None if trainer.lr_scheduler is None else trainer.lr_scheduler.state_dict(),
+        }
+        if self._order is not None and self._order[0] == engine.epoch_index:
+            state["epoch_order"] = {"epoch": self._order[0], "indices": torch.tensor(self._order[1])}
+        if trainer.ds_engine is None:  # DeepSpeed keeps module and (sharded) optimizer in its own files
+            scaler = getattr(engine.backend, "scaler", None)
+            state.update(model=trainer.model.state_dict(), optimizer=trainer.optimizer.state_dict(),
+                         scaler=None if scaler is None else scaler.state_dict())
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _together(self, what: str, fn) -> None:
+        """Run ``fn`` on this rank, then raise on every rank if it failed on any (doubles as a barrier)."""
+        try:
+            fn()
+            error = None
+        except Exception as exc:  # noqa: BLE001 -- reported on every rank below
+            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        errors = [error]
+        if self._distributed():
+            errors = [None] * self.world
+            dist.all_gather_object(errors, error)
+        failed = [e for e in errors if e]
+        if failed:
+            raise CheckpointError(f"checkpoint {what} failed: {'; '.join(failed)}")
