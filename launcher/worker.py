@@ -26,6 +26,7 @@ from launcher.checkpoint import Checkpointer
 from launcher.config import Config, load_config
 from launcher.metrics import MetricsWriter, Progress, atomic_write_json
 from launcher.optim import build_lr_scheduler, build_optimizer
+from launcher.preempt import Preemption, requeue
 
 log = logging.getLogger("accum_sched.worker")
 
@@ -161,7 +162,20 @@ class Trainer:
             self.checkpointer.epoch_end()
             if self.progress is not None and self.engine.last_step is not None:
                 self.progress.epoch_end(epoch, self.engine.last_step.loss, time.time() - began)
+        if self.engine.should_stop:
+            self.stop_for_preemption()
+            return
         self.finish()
+
+    def stop_for_preemption(self) -> None:
+        """The ranks agreed to stop after this step (a preemption signal, launcher/preempt.py): its checkpoint is
+        on disk (checkpointer.on_step saved it), so rank 0 requeues the SLURM job, which resumes by itself."""
+        self.checkpointer.save_now("preempt")  # a no-op when this step is saved already
+        if self.rank != 0:
+            return
+        self.metrics.close()
+        done = "job requeued" if requeue() else "not requeued"
+        print(f"accum-sched: preempted at step {self.engine.optimizer_steps}: checkpoint saved, {done}", flush=True)
 
     def final_state_dict(self) -> dict | None:
         if self.ds_engine is not None:
@@ -208,6 +222,8 @@ def parse_args(argv=None):
 @record
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # First thing: SLURM's preemption warning may come while the task and model are still being built.
+    preemption = Preemption.install()
     cfg = load_config(args.config)
     launch = detect_launch()
     if launch.rank != 0:  # other ranks stay quiet unless something fails
@@ -215,7 +231,9 @@ def main(argv=None) -> int:
         logging.getLogger("accum_sched").setLevel(logging.ERROR)
     device = init_distributed(cfg, launch)
     try:
-        Trainer(cfg, device, args.resume).fit()
+        trainer = Trainer(cfg, device, args.resume)
+        preemption.attach(trainer.engine.request_stop)
+        trainer.fit()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

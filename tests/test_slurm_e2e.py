@@ -74,3 +74,28 @@ def test_demo_job_completes_with_the_local_runs_model(slurm, reference, tmp_path
         mine = [r for r in rows if r["epoch"] == epoch]
         assert len(mine) == steps and {r["factor"] for r in mine} == {factor[epoch]}, epoch
     assert _same_model(_load(run_dir / "model.pt"), reference)
+
+
+@pytest.mark.parametrize("template", ["torchrun", "per_task"])
+def test_preempted_job_requeues_resumes_and_ends_with_the_same_model(slurm, reference, tmp_path,  # noqa: F811
+                                                                      template):
+    job_id = _submit(slurm, tmp_path, "--template", template)
+    run_dir = tmp_path / "runs" / "demo"
+    # Preempt once training is under way: the first progress line is step 10 of 448.
+    deadline = time.monotonic() + 300
+    while not re.search(r"step \d+/448", _log(run_dir, job_id)):
+        assert time.monotonic() < deadline, _log(run_dir, job_id)[-3000:]
+        assert slurm.job(job_id).get("JobState") in ("PENDING", "RUNNING"), _log(run_dir, job_id)[-3000:]
+        time.sleep(0.05)
+    slurm.run("scancel", "--signal=USR2", job_id)
+
+    info = slurm.wait_job(job_id, timeout=600)
+    log = _log(run_dir, job_id)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), log[-4000:]
+    stopped = re.search(r"accum-sched: preempted at step (\d+): checkpoint saved, job requeued", log)
+    assert stopped and 0 < int(stopped.group(1)) < 448, log[-4000:]  # really mid-run
+    assert f"accum-sched: job {job_id} (restart 1)" in log
+    assert log.count("accum-sched: done: 448 optimizer steps") == 1
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 449))  # each step logged once across both runs
+    assert _same_model(_load(run_dir / "model.pt"), reference)
