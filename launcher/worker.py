@@ -24,6 +24,7 @@ from accum_sched import AccumulationEngine
 from launcher import tasks
 from launcher.checkpoint import Checkpointer
 from launcher.config import Config, load_config
+from launcher.errors import ConfigError
 from launcher.metrics import MetricsWriter, Progress, atomic_write_json
 from launcher.optim import build_lr_scheduler, build_optimizer
 from launcher.preempt import Preemption, requeue
@@ -85,6 +86,40 @@ def init_distributed(cfg: Config, launch) -> torch.device:
     return device
 
 
+def plan_total_steps(schedule, loader, sampler, task, cfg: Config, world: int) -> int:
+    """Exact optimizer steps of the run, for LR schedulers and progress, under every schedule unit.
+
+    Samples per micro-step are known from the sharding (DistributedSampler gives every rank the same count);
+    tokens are counted with the task's ``count_fn`` over every epoch's shards, before training.
+    """
+    batches, epochs, micro = len(loader), cfg.run.epochs, cfg.data.micro_batch_size
+    if schedule.unit in ("epoch", "step"):
+        return schedule.optimizer_steps(batches, epochs)
+    per_rank = len(sampler)  # samples per rank per epoch (padded to equal length across ranks)
+    if schedule.unit == "samples":
+        return schedule.optimizer_steps(batches, epochs,
+                                        samples_per_micro_step=lambda e, i: world * min(micro, per_rank - i * micro))
+    if task.count_fn is None:
+        if cfg.lr_scheduler is None:
+            return 0  # nothing needs the total; progress shows steps without one
+        raise ConfigError("accumulation.unit", "tokens-keyed schedules need the task's count_fn to plan LR "
+                                "totals", "return count_fn(batch) -> tokens from the task, or set lr_scheduler: null")
+    counts = {}
+    for epoch in range(epochs):
+        per_step = [0] * batches
+        for rank in range(world):
+            shard = DistributedSampler(task.dataset, num_replicas=world, rank=rank, shuffle=cfg.data.shuffle,
+                                       seed=cfg.run.seed, drop_last=False)
+            shard.set_epoch(epoch)
+            indices = list(shard)
+            for i in range(batches):
+                items = [task.dataset[j] for j in indices[i * micro:(i + 1) * micro]]
+                batch = (task.collate_fn or torch.utils.data.default_collate)(items)
+                per_step[i] += int(task.count_fn(batch))
+        counts[epoch] = per_step
+    return schedule.optimizer_steps(batches, epochs, tokens_per_micro_step=lambda e, i: counts[e][i])
+
+
 class Trainer:
     """Holds everything one rank trains with; `fit()` is the loop."""
 
@@ -102,8 +137,8 @@ class Trainer:
                                  collate_fn=self.task.collate_fn, pin_memory=device.type == "cuda")
         # finds the checkpoint to resume (rank 0 reads, all agree); its world size may rescale the schedule
         self.checkpointer = Checkpointer(cfg, self.rank, self.world, resume, device)
-        self.schedule = self.checkpointer.schedule(cfg.schedule)
-        self.total_steps = self.schedule.optimizer_steps(len(self.loader), cfg.run.epochs)
+        self.schedule = self.checkpointer.schedule(cfg.schedule_for(self.world))
+        self.total_steps = plan_total_steps(self.schedule, self.loader, self.sampler, self.task, cfg, self.world)
         self.model = self.task.model.to(device)
         self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
         self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer, self.total_steps)
@@ -128,7 +163,8 @@ class Trainer:
             wrapped, None if self.ds_engine is not None else self.optimizer, self.schedule,
             lr_scheduler=None if self.ds_engine is not None else self.lr_scheduler,
             max_grad_norm=cfg.optimizer.max_grad_norm, normalize=acc.normalize, uneven=acc.uneven,
-            nonfinite=acc.nonfinite, precision=cfg.run.precision, micro_batch_size=cfg.data.micro_batch_size)
+            nonfinite=acc.nonfinite, precision=cfg.run.precision, micro_batch_size=cfg.data.micro_batch_size,
+            lr_coupling=acc.lr_coupling)
         self.metrics = None
         self.progress = None
         self.start = time.time()
