@@ -207,7 +207,7 @@ class SlurmCluster:
         return out.stdout.strip().upper().rstrip("*~#$@+^-!%") if out.returncode == 0 else ""
 
     def job(self, job_id: str) -> dict[str, str]:
-        """`scontrol show job` as a dict (JobState, Restarts, ExitCode, Reason, ...); empty once the job is forgotten."""
+        """`scontrol show job` as a dict (JobState, Restarts, ExitCode, Reason, ...); empty once forgotten."""
         out = self.run("scontrol", "-o", "show", "job", str(job_id), check=False, timeout=10)
         info: dict[str, str] = {}
         for field in out.stdout.split():

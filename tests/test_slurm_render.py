@@ -73,7 +73,8 @@ def test_bad_jobs_name_their_field(change, field, fragment):
 
 def test_custom_template_and_unknown_field(tmp_path):
     own = tmp_path / "own.sbatch"
-    own.write_text("#!/bin/bash\n{{sbatch_header}}\n{{setup}}\nsrun {{python}} -m launcher.worker --config {{config}}\n")
+    own.write_text("#!/bin/bash\n{{sbatch_header}}\n{{setup}}\n"
+                   "srun {{python}} -m launcher.worker --config {{config}}\n")
     script = render_job(dataclasses.replace(BASE, template=str(own)))
     assert script.splitlines()[-1] == "srun /home/ada/venv/bin/python -m launcher.worker --config " \
                                       "/home/ada/project/runs/demo/config.yaml"
