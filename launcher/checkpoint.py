@@ -239,11 +239,14 @@ class Checkpointer:
             if self.rank == 0:
                 if self.fresh:
                     old = store.list_checkpoints(self.root)
-                    if old:
+                    if old:  # moved aside, never deleted: forgetting --resume must not lose a run
+                        aside = os.path.join(self.root, time.strftime("superseded-%Y%m%d-%H%M%S"))
+                        os.makedirs(aside, exist_ok=True)
                         for _, p in old:
-                            shutil.rmtree(p)
-                        self._say(f"starting afresh: removed {len(old)} checkpoint(s) of an earlier run from "
-                                  f"{self.root} (run with --resume to continue a run)", sys.stderr)
+                            os.replace(p, os.path.join(aside, os.path.basename(p)))
+                        self._say(f"starting afresh: moved {len(old)} checkpoint(s) of an earlier run to {aside} "
+                                  f"(run with --resume to continue a run; delete that folder when not needed)",
+                                  sys.stderr)
                 store.truncate_metrics(trainer.run_dir, 0)
             return 0
         path, manifest = self.found

@@ -193,3 +193,13 @@ def test_user_task_from_module_path(tmp_path):
     assert torch.load(tmp_path / "out" / "model.pt", weights_only=True)["weight"].shape == (1, 3)
     bad = accum("run", "cfg.yaml", "--set", "task.target=my_tasks:missing", cwd=tmp_path, check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("error: task.target: module 'my_tasks' has no function")
+
+
+def test_fresh_run_moves_old_checkpoints_aside(regression_run):
+    tmp, cfg, _, _ = regression_run
+    out = tmp / "again"
+    for _ in range(2):
+        proc = accum("run", cfg, "--set", f"run.output_dir={out}", "--set", "run.epochs=2", "--nproc-per-node", "1")
+    aside = [p for p in os.listdir(out / "checkpoints") if p.startswith("superseded-")]
+    assert len(aside) == 1 and os.listdir(out / "checkpoints" / aside[0]), os.listdir(out / "checkpoints")
+    assert "moved" in proc.stderr and len(read_metrics(out)) == 13 + 7  # the second run's steps only (1 rank)
