@@ -1,0 +1,255 @@
+"""DeepSpeed back end: our engine owns the accumulation boundary, DeepSpeed does the rest.
+
+How a window runs (DeepSpeed's managed mode, boundary set by us):
+
+* every micro-batch: ``set_gradient_accumulation_boundary(last_of_window)`` before its forward, then
+  ``backward(loss_sum, scale_wrt_gas=False)`` (DeepSpeed does not divide by its GAS: our engine normalises), then
+  ``step()`` on non-boundary micro-batches only, which merely advances DeepSpeed's micro-step counter. DeepSpeed's own
+  ``(micro_steps + 1) % gas`` rule is never consulted, so a factor that changes mid-run, or a partial window at an
+  epoch end, puts boundaries exactly where the engine says (relying on ``set_train_batch_size`` alone does not: the
+  global micro-step counter is rarely a multiple of the new factor).
+* at the boundary the reduced gradient sits in the storage DeepSpeed's optimizer will consume at ``step()``: the
+  parameters' ``.grad`` (no ZeRO), the fp32 accumulation buffer (BF16_Optimizer), or this rank's partition
+  (``averaged_gradients`` of ZeRO 1/2/3). We take the global norm of that storage (one all-reduce of one number when
+  it is partitioned), multiply it in place by the engine's coefficient (times torch's clipping factor), and call
+  ``step()``, which runs DeepSpeed's optimizer, LR scheduler and counters. Scaling a partition is exact: the full
+  gradient is the concatenation of the partitions, so scaling each one scales the whole.
+* a skipped step (non-finite gradient, empty window) runs ``step()`` with the inner torch optimizer's ``step``
+  replaced by a no-op: DeepSpeed clears its buffers and advances its counters, the weights do not move.
+
+DeepSpeed's ``train_batch_size`` / ``gradient_accumulation_steps`` follow the engine's factor
+(``set_train_batch_size(micro x factor x world)``), and ``global_samples`` is advanced by the real number of samples of
+each window (partial windows included), so DeepSpeed's logs, LR scheduler and checkpoints see true numbers.
+
+This module imports deepspeed; :mod:`accum_sched.backends` imports it only when a DeepSpeed engine is handed in.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from accum_sched import collective
+
+
+def ensure_torch_extensions_dir() -> str:
+    """Point ``TORCH_EXTENSIONS_DIR`` at a stable cache unless it is set; returns the directory in use.
+
+    Call it before ``deepspeed.initialize``. DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce op
+    (``deepspeed_shm_comm``) whenever its comm layer starts, whether or not training uses it: about 60 s the first
+    time, a cache hit afterwards. A fixed place (``$XDG_CACHE_HOME/accum-sched/torch_extensions``, else
+    ``~/.cache/...``) is one CI can cache between runs.
+    """
+    path = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not path:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = os.path.join(cache, "accum-sched", "torch_extensions")
+        os.environ["TORCH_EXTENSIONS_DIR"] = path
+    return path
+
+
+def _optimizer_classes():
+    """DeepSpeed's optimizer wrappers, by the storage their gradient lives in (imported lazily: DeepSpeed is heavy)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, BF16_Optimizer, FP16_Optimizer
+
+
+class DeepSpeedBackend:
+    """Drives a ``DeepSpeedEngine`` (ZeRO 0-3, fp32 or bf16) under the accumulation engine.
+
+    Args:
+        ds_engine: what ``deepspeed.initialize`` returned first.
+        optimizer: None, or the optimizer DeepSpeed wraps (the client optimizer given to ``deepspeed.initialize`` or
+            ``ds_engine.optimizer``); DeepSpeed always steps it.
+        lr_scheduler: None, or a scheduler DeepSpeed does not know about (we step it once per optimizer step). A
+            scheduler given to ``deepspeed.initialize`` (or from the JSON's ``scheduler`` section) is stepped by
+            DeepSpeed itself.
+    """
+
+    def __init__(self, ds_engine, optimizer=None, lr_scheduler=None):
+        self.ds = ds_engine
+        opt = getattr(ds_engine, "optimizer", None)
+        if opt is None or type(opt).__name__ == "DummyOptim":
+            raise ValueError("the DeepSpeed engine has no optimizer: pass optimizer= to deepspeed.initialize or give "
+                             "the JSON an \"optimizer\" section")
+        if optimizer is not None and optimizer is not opt and optimizer is not getattr(ds_engine, "basic_optimizer",
+                                                                                        None):
+            raise ValueError("optimizer= is not the optimizer this DeepSpeed engine wraps; pass None (DeepSpeed steps "
+                             "its own optimizer) or the one given to deepspeed.initialize")
+        if not ds_engine.managed_gradient_accumulation():
+            raise ValueError("\"managed_gradient_accumulation\": false is not supported: the accumulation engine sets "
+                             "the boundary itself with set_gradient_accumulation_boundary(); remove that key")
+        if getattr(ds_engine, "pipeline_parallelism", False):
+            raise ValueError("DeepSpeed pipeline parallelism schedules its own micro-batches; it cannot be driven "
+                             "by the accumulation engine")
+        if ds_engine.zero_optimization() and ds_engine.zero_use_cpu_optimizer():
+            raise ValueError("ZeRO optimizer offload is not supported yet (its gradients bypass the partition buffers "
+                             "this back end scales); remove zero_optimization.offload_optimizer")
+        ds_scheduler = getattr(ds_engine, "lr_scheduler", None)
+        if lr_scheduler is not None and ds_scheduler is not None and lr_scheduler is not ds_scheduler:
+            raise ValueError("the DeepSpeed engine already has an LR scheduler; pass lr_scheduler=None")
+        self.lr_scheduler = lr_scheduler if ds_scheduler is None else None  # the one we step; DeepSpeed steps its own
+        self.world_size = int(ds_engine.dp_world_size)
+        if self.world_size != collective.world_size():
+            raise ValueError(f"DeepSpeed's data-parallel world ({self.world_size}) differs from the process group's "
+                             f"({collective.world_size()}): model/pipeline/sequence parallelism is not supported")
+        # MEAN (the default) averages the gradient over ranks, so the engine multiplies by the world size.
+        self.averages_over_world = bool(getattr(ds_engine, "gradient_average", True))
+        self._boundary = True
+        self._window_samples: int | None = None
+
+    # -- counters (DeepSpeed launches its own collectives; they are not counted here) ---------------------------
+    @property
+    def allreduce_rounds(self) -> int | None:
+        return None
+
+    @property
+    def allreduce_bytes(self) -> int | None:
+        return None
+
+    # -- per micro-batch ----------------------------------------------------------------------------------------
+    def sync_context(self, boundary: bool):
+        """Tell DeepSpeed, before the forward, whether this micro-batch closes the window."""
+        self._boundary = boundary
+        self.ds.set_gradient_accumulation_boundary(boundary)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # scale_wrt_gas=False: DeepSpeed must not divide by its GAS; the engine divides the window's gradient by the
+        # global element count at the boundary.
+        self.ds.backward(loss, scale_wrt_gas=False)
+        if not self._boundary:
+            self.ds.step()  # not a boundary: only advances DeepSpeed's micro-step counter (no update, no reduction)
+
+    # -- per window ---------------------------------------------------------------------------------------------
+    def _grad_storage(self) -> tuple[list[torch.Tensor], bool]:
+        """(tensors holding this rank's share of the reduced gradient, whether they are partitioned over ranks)."""
+        zero12, zero3, bf16_opt, fp16_opt = _optimizer_classes()
+        opt = self.ds.optimizer
+        if isinstance(opt, (zero12, zero3)):
+            groups = [g for g in opt.averaged_gradients.values() if g is not None]
+            return [t for g in groups for t in g if t is not None], True
+        if isinstance(opt, bf16_opt):  # ZeRO 1 with bf16 weights: a full fp32 buffer on every rank
+            return list(opt.fp32_groups_gradients_flat), False
+        if isinstance(opt, fp16_opt):  # no ZeRO, fp16/bf16 weights: the low-precision .grad of every parameter
+            return [p.grad for group in opt.fp16_groups for p in group if p.grad is not None], False
+        return [p.grad for p in self.ds.module.parameters() if p.grad is not None], False
+
+    def _loss_scale(self) -> float:
+        scale = getattr(self.ds.optimizer, "loss_scale", None)
+        return 1.0 if scale is None else float(scale)
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the reduced, accumulated, un-normalised gradient (the same on every rank)."""
+        tensors, partitioned = self._grad_storage()
+        device = collective.comm_device()
+        squares = torch.zeros((), dtype=torch.float64, device=device)
+        for t in tensors:
+            squares += torch.linalg.vector_norm(t, dtype=torch.float64).to(device) ** 2
+        if partitioned and collective.is_distributed():
+            dist.all_reduce(squares)  # partitions are disjoint: squares add up to the full gradient's
+        return squares.sqrt() / self._loss_scale()
+
+    def on_window(self, factor: int, micro_batches: int, samples: int) -> None:
+        """Called by the engine before :meth:`step`: keep DeepSpeed's batch bookkeeping true for this window."""
+        micro = int(self.ds.train_micro_batch_size_per_gpu())
+        if self.ds.gradient_accumulation_steps() != factor:
+            self.ds.set_train_batch_size(micro * factor * self.world_size)
+        self._window_samples = int(samples)
+
+    def step(self, coef: float, max_norm: float | None, norm: float, skip: bool) -> None:
+        """Scale the partitions by ``coef`` (and torch's clipping factor), then let DeepSpeed step."""
+        samples_before = self.ds.global_samples
+        if skip:
+            with _frozen(getattr(self.ds, "basic_optimizer", None) or self.ds.optimizer):
+                self.ds.step()
+            if getattr(self.ds.optimizer, "overflow", False) and self.ds.lr_scheduler is not None:
+                self.ds.lr_scheduler.step()  # DeepSpeed skipped its scheduler on overflow; keep one LR step per step
+        else:
+            scale = coef
+            if max_norm is not None:
+                total = norm * coef
+                scale *= min(1.0, max_norm / (total + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
+            tensors, _ = self._grad_storage()
+            if tensors and scale != 1.0:
+                torch._foreach_mul_(tensors, scale)
+            self.ds.step()
+        if self._window_samples is not None:
+            self.ds.global_samples = samples_before + self._window_samples
+            self._window_samples = None
+        if self.lr_scheduler is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                self.lr_scheduler.step()
+
+    def lr(self) -> float:
+        return float(self.ds.get_lr()[0])
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _frozen(optimizer):
+    """Make ``optimizer.step`` a no-op for the duration (an instance attribute shadows the class method)."""
+    saved = optimizer.__dict__.get("step", _MISSING)
+    optimizer.step = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        if saved is _MISSING:
+            del optimizer.step
+        else:
+            optimizer.step = saved
+
+
+def consolidated_state_dict(ds_engine, rank0_only: bool = True) -> dict | None:
+    """A plain fp32 ``state_dict`` of ``ds_engine.module`` at any ZeRO stage, gathered from the partitions.
+
+    Trainable parameters come from DeepSpeed's fp32 master copy where there is one (ZeRO 1/2/3, bf16), so a bf16
+    run yields its full-precision weights. A collective: call it on every rank. Returns the dict on rank 0 (on every
+    rank when ``rank0_only`` is False) and None elsewhere.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    module = ds_engine.module
+    full: dict[int, torch.Tensor] = {}
+    for param in module.parameters():
+        if id(param) in full:
+            continue
+        value = None
+        # A collective on every rank: _hp_mapping is None where this rank holds no fragment, but it exists.
+        if param.requires_grad and (hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")):
+            value = safe_get_full_fp32_param(param)
+        if value is None:
+            with GatheredParameters([param], modifier_rank=None, enabled=hasattr(param, "ds_id")):
+                value = param.detach().clone()
+        full[id(param)] = value.detach().float().cpu().clone()
+    keep = not rank0_only or collective.rank() == 0
+    if not keep:
+        return None
+    out = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in full:
+            out[name] = full[id(tensor)]
+        else:  # a buffer: DeepSpeed never partitions those; bf16 runs cast floating ones, so bring them back to fp32
+            value = tensor.detach().cpu().clone()
+            out[name] = value.float() if value.is_floating_point() else value
+    return out
+
+
+__all__ = ["DeepSpeedBackend", "consolidated_state_dict", "ensure_torch_extensions_dir"]
