@@ -273,21 +273,29 @@ def slurm_cluster(cpus: int | None = None):
         shutil.rmtree(root, ignore_errors=True)
 
 
+# One cluster per test session: each test module imports the fixture, which makes a separate fixture definition
+# per module, so the cluster itself is shared here.
+_SESSION: dict = {}
+
 try:  # the pytest fixture; this module also runs without pytest (see __main__ below)
     import pytest
 
     @pytest.fixture(scope="session")
     def slurm():
-        try:
-            ctx = slurm_cluster()
-            cluster = ctx.__enter__()
-        except SlurmUnavailable as why:
+        if not _SESSION:
+            try:
+                ctx = slurm_cluster()
+                _SESSION.update(cluster=ctx.__enter__(), ctx=ctx)
+            except SlurmUnavailable as why:
+                _SESSION["unavailable"] = str(why)
+        if "unavailable" in _SESSION:
+            why = _SESSION["unavailable"]
             if os.environ.get("ACCUM_SCHED_REQUIRE_SLURM") == "1":
                 pytest.fail(f"SLURM required (ACCUM_SCHED_REQUIRE_SLURM=1) but unavailable: {why}")
             pytest.skip(f"SLURM unavailable: {why}")
-        try:
-            yield cluster
-        finally:
+        yield _SESSION["cluster"]
+        ctx = _SESSION.pop("ctx", None)  # at session end; the first module's finaliser stops it
+        if ctx is not None:
             ctx.__exit__(None, None, None)
 except ImportError:  # pragma: no cover
     pass
