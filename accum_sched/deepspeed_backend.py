@@ -164,15 +164,14 @@ class DeepSpeedBackend:
             self.ds.set_train_batch_size(micro * factor * self.world_size)
         self._window_samples = int(samples)
 
-    def step(self, coef: float, max_norm: float | None, norm: float, skip: bool) -> None:
-        """Scale the partitions by ``coef`` (and torch's clipping factor), then let DeepSpeed step."""
+    def step(self, coef: float, max_norm: float | None, norm: float, skip: bool, lr_scale: float = 1.0) -> None:
+        """Scale the partitions by ``coef`` (and torch's clipping factor), then let DeepSpeed step.
+
+        ``lr_scale`` multiplies the learning rate of this update only (LR coupling); DeepSpeed's scheduler, which
+        steps inside ``ds.step()`` after the update, never sees it.
+        """
         samples_before = self.ds.global_samples
-        if skip:
-            with _frozen(getattr(self.ds, "basic_optimizer", None) or self.ds.optimizer):
-                self.ds.step()
-            if getattr(self.ds.optimizer, "overflow", False) and self.ds.lr_scheduler is not None:
-                self.ds.lr_scheduler.step()  # DeepSpeed skipped its scheduler on overflow; keep one LR step per step
-        else:
+        if not skip:
             scale = coef
             if max_norm is not None:
                 total = norm * coef
@@ -180,7 +179,11 @@ class DeepSpeedBackend:
             tensors, _ = self._grad_storage()
             if tensors and scale != 1.0:
                 torch._foreach_mul_(tensors, scale)
+        inner = getattr(self.ds, "basic_optimizer", None) or self.ds.optimizer  # the torch optimizer DeepSpeed wraps
+        with _inner_step(inner, skip=skip, lr_scale=lr_scale):
             self.ds.step()
+        if skip and getattr(self.ds.optimizer, "overflow", False) and self.ds.lr_scheduler is not None:
+            self.ds.lr_scheduler.step()  # DeepSpeed skipped its scheduler on overflow; keep one LR step per step
         if self._window_samples is not None:
             self.ds.global_samples = samples_before + self._window_samples
             self._window_samples = None
@@ -203,10 +206,31 @@ _MISSING = object()
 
 
 @contextlib.contextmanager
-def _frozen(optimizer):
-    """Make ``optimizer.step`` a no-op for the duration (an instance attribute shadows the class method)."""
+def _inner_step(optimizer, *, skip: bool, lr_scale: float):
+    """For one ``ds.step()``, make the wrapped torch optimizer's ``step`` a no-op (``skip``: DeepSpeed still clears
+    its buffers and counts the step, the weights do not move) or run it at ``lr x lr_scale``.
+
+    An instance attribute shadows the class method (and any wrapper a torch LR scheduler installed, restored after).
+    """
+    if not skip and lr_scale == 1.0:
+        yield
+        return
     saved = optimizer.__dict__.get("step", _MISSING)
-    optimizer.step = lambda *args, **kwargs: None
+    original = optimizer.step
+
+    def step(*args, **kwargs):
+        if skip:
+            return None
+        lrs = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * lr_scale
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for group, lr in zip(optimizer.param_groups, lrs):
+                group["lr"] = lr
+
+    optimizer.step = step
     try:
         yield
     finally:

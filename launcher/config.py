@@ -273,6 +273,10 @@ def validate(raw: dict) -> Config:
         sections[name] = values
     cfg = Config(sections)
     _cross_check(cfg)
+    if cfg.distributed.backend == "deepspeed":
+        from launcher import deepspeed_setup  # its JSON may hold the schedule (torch-free, like this module)
+
+        cfg = deepspeed_setup.resolve(cfg)
     return cfg
 
 

@@ -60,7 +60,7 @@ def _nan_loss(loss_fn, rank: int):
 
 
 def _train_ds(case, rank: int, stage: int, *, config: dict | None = None, client_optimizer: bool = True,
-              precision: str = "fp32", clip=None, nan: bool = False) -> dict:
+              precision: str = "fp32", clip=None, nan: bool = False, **engine_kwargs) -> dict:
     import deepspeed
 
     from accum_sched import AccumulationEngine
@@ -70,7 +70,8 @@ def _train_ds(case, rank: int, stage: int, *, config: dict | None = None, client
     kwargs = {"optimizer": cases.make_optimizer(case, model)} if client_optimizer else {
         "model_parameters": model.parameters()}
     ds_engine, *_ = deepspeed.initialize(model=model, config=config or ds_config(case, stage), **kwargs)
-    engine = AccumulationEngine(ds_engine, None, case.schedule, max_grad_norm=clip, precision=precision)
+    engine = AccumulationEngine(ds_engine, None, case.schedule, max_grad_norm=clip, precision=precision,
+                                **engine_kwargs)
     steps = []
     engine.on_step(steps.append)
     loss_fn, seen = _nan_loss(cases.loss_fn_for(case.kind), rank) if nan else (cases.loss_fn_for(case.kind), None)
@@ -132,6 +133,10 @@ def _worker(rank: int, world: int, out: str) -> None:
         for stage, extra in ((0, {}), (1, fp32_accum), (2, {}), (3, fp32_accum)):
             runs[f"z{stage}/bf16"] = _train_ds(sgd, rank, stage, precision="bf16",
                                                config=ds_config(sgd, stage, bf16={"enabled": True}, **extra))
+        # LR coupling (lr x factor ratio for the update only): DeepSpeed's scheduler never sees the scaled LR
+        model, _ = cases.run_engine(sgd, rank, world, lr_coupling="linear")
+        runs["ddp/lr-coupling"] = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+        runs["z2/lr-coupling"] = _train_ds(sgd, rank, 2, lr_coupling="linear")
         runs["negative/ds-own-accumulation"] = _deepspeed_own_accumulation(sgd, rank)
     if rank == 0:
         torch.save(runs, os.path.join(out, "runs.pt"))
@@ -250,6 +255,14 @@ def test_bf16_sanity(runs, stage):
     gap = max((run["state"][k] - ref[k]).abs().max().item() for k in ref)
     assert all(v.dtype == torch.float32 for v in run["state"].values())
     assert gap < 0.02 * moved, (gap, moved)
+
+
+def test_lr_coupling_equals_ddp(runs):
+    case = BY_NAME["sgd-changing-partial"]
+    got, want = runs["z2/lr-coupling"], runs["ddp/lr-coupling"]["state"]
+    assert [s["lr"] for s in got["steps"]] == [case.lr * s["factor"] for s in got["steps"]]
+    assert max((want[k] - reference(case)["state"][k]).abs().max().item() for k in want) > 1e-3  # coupling acted
+    assert_params_close(got["state"], want, "LR coupling, ZeRO 2 vs DDP")
 
 
 def test_deepspeed_own_accumulation_is_not_exact(runs):

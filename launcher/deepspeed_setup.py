@@ -1,0 +1,308 @@
+"""DeepSpeed under `accum-sched run` (``distributed.backend: deepspeed``).
+
+``distributed.deepspeed_config`` is the path of a DeepSpeed JSON file (relative to the working directory) or the
+same content as an inline mapping. A user's existing JSON works as it is; accum-sched owns the batch arithmetic:
+
+* ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps`` and ``train_batch_size`` are filled in from
+  ``data.micro_batch_size``, the schedule and the world size, and kept true at every factor change. Values the JSON
+  already has must agree with them at every piece of the schedule (checked before launch, naming the epoch).
+* with no schedule in the YAML, the JSON's ``gradient_accumulation_steps`` (or ``train_batch_size``) becomes the
+  constant factor; the schedule may also be written in the JSON under our key ``"accum_sched": {"schedule": {...},
+  "unit": "epoch"}``, which is removed before DeepSpeed sees the config.
+* ``gradient_clipping``: DeepSpeed clips at 1.0 when the key is absent; accum-sched clips only when asked
+  (``optimizer.max_grad_norm``, or ``gradient_clipping`` in the JSON), so an absent key means no clipping.
+* the JSON's ``optimizer`` / ``scheduler`` sections, when present, replace the YAML's optimizer / LR scheduler.
+
+No torch or deepspeed import at module level: `accum-sched check` validates on login nodes.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+from accum_sched.schedule import AccumulationSchedule
+from launcher.errors import ConfigError
+
+FIELD = "distributed.deepspeed_config"
+OUR_KEY = "accum_sched"  # {"schedule": ..., "unit": ...} inside the DeepSpeed JSON; DeepSpeed never sees it
+OUR_FIELDS = ("schedule", "unit")
+
+
+# -- reading ----------------------------------------------------------------------------------------------------
+def load_json(cfg) -> dict:
+    """The DeepSpeed config as a fresh dict (from the file, or a copy of the inline mapping)."""
+    source = cfg.distributed.deepspeed_config
+    if isinstance(source, dict):
+        return copy.deepcopy(source)
+    if not isinstance(source, str):
+        raise ConfigError(FIELD, f"expected a path or a mapping, got {source!r}",
+                          "give the path of a DeepSpeed JSON file or write its content inline")
+    if not os.path.isfile(source):
+        raise ConfigError(FIELD, f"file {source!r} not found", "check the path (relative to where you run accum-sched)")
+    with open(source, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(FIELD, f"JSON syntax error in {source} at line {exc.lineno}, column {exc.colno}: {exc.msg}",
+                          "fix the JSON at that position") from None
+    if not isinstance(data, dict):
+        raise ConfigError(FIELD, f"{source} holds a {type(data).__name__}, not a JSON object",
+                          "a DeepSpeed config is an object: {\"zero_optimization\": {\"stage\": 2}, ...}")
+    return data
+
+
+def _ours(ds: dict) -> dict:
+    """Our key of the JSON, checked (and removed from ``ds``)."""
+    ours = ds.pop(OUR_KEY, None)
+    if ours is None:
+        return {}
+    if not isinstance(ours, dict):
+        raise ConfigError(f"{FIELD}.{OUR_KEY}", f"expected an object, got {ours!r}",
+                          'write "accum_sched": {"schedule": {"0": 1, "4": 2}}')
+    for key in ours:
+        if key not in OUR_FIELDS:
+            raise ConfigError(f"{FIELD}.{OUR_KEY}.{key}", "unknown key", f"known keys: {', '.join(OUR_FIELDS)}")
+    if "schedule" in ours:
+        try:
+            AccumulationSchedule(ours["schedule"], ours.get("unit", "epoch"))
+        except ValueError as exc:
+            raise ConfigError(f"{FIELD}.{OUR_KEY}.schedule", str(exc), "write e.g. {\"0\": 1, \"4\": 2}") from None
+    return ours
+
+
+def _same_schedule(a, unit_a: str, b, unit_b: str) -> bool:
+    return AccumulationSchedule(a, unit_a) == AccumulationSchedule(b, unit_b)
+
+
+# -- resolving (called by launcher.config.validate: the resolved config.yaml then holds the real schedule) -------
+def resolve(cfg):
+    """``cfg`` with the schedule the DeepSpeed JSON gives (our key, or a constant ``gradient_accumulation_steps``)
+    moved into ``accumulation``, and a file path made absolute. Returns ``cfg`` itself when nothing changes."""
+    from launcher.config import validate  # config imports this module lazily; no cycle at import time
+
+    ds = load_json(cfg)
+    ours = _ours(ds)
+    acc = cfg.accumulation
+    raw = cfg.to_dict()
+    changed = False
+    source = cfg.distributed.deepspeed_config
+    if isinstance(source, str) and not os.path.isabs(source):
+        raw["distributed"]["deepspeed_config"] = os.path.abspath(source)  # workers and resumes may run elsewhere
+        changed = True
+    if "schedule" in ours:
+        unit = ours.get("unit", acc.unit)
+        if acc.global_batch is not None:
+            raise ConfigError(f"{FIELD}.{OUR_KEY}.schedule", "is given together with accumulation.global_batch",
+                              "keep one of them")
+        if acc.schedule is not None and not _same_schedule(acc.schedule, acc.unit, ours["schedule"], unit):
+            raise ConfigError(f"{FIELD}.{OUR_KEY}.schedule",
+                              f"{ours['schedule']} ({unit}) differs from accumulation.schedule {acc.schedule} "
+                              f"({acc.unit})", "keep the schedule in one place")
+        if acc.schedule is None:
+            raw["accumulation"].update(schedule=ours["schedule"], unit=unit)
+            changed = True
+    elif acc.schedule is None and acc.global_batch is None:
+        factor = _constant_factor(ds, cfg)
+        if factor is not None:  # an existing JSON's fixed accumulation becomes the (constant) schedule
+            raw["accumulation"]["schedule"] = factor
+            changed = True
+    return validate(raw) if changed else cfg
+
+
+def _constant_factor(ds: dict, cfg) -> int | None:
+    gas = ds.get("gradient_accumulation_steps")
+    if isinstance(gas, int) and not isinstance(gas, bool) and gas >= 1:
+        return gas
+    tbs = ds.get("train_batch_size")
+    micro = ds.get("train_micro_batch_size_per_gpu", cfg.data.micro_batch_size)
+    if isinstance(tbs, int) and isinstance(micro, int) and micro > 0 and tbs % (micro * cfg.world_size) == 0:
+        return max(1, tbs // (micro * cfg.world_size))
+    return None
+
+
+# -- checking before launch -------------------------------------------------------------------------------------
+def _pieces(schedule: AccumulationSchedule, epochs: int) -> list[tuple[str, int]]:
+    """("epoch 4", factor) for every constant piece of the schedule that the run reaches."""
+    pairs = list(schedule.milestones)
+    if not pairs or pairs[0][0] > 0:
+        pairs.insert(0, (0, 1))
+    if schedule.unit == "epoch":
+        pairs = [(k, f) for k, f in pairs if k < epochs] or pairs[:1]
+    return [(f"{schedule.unit} {key}", factor) for key, factor in pairs]
+
+
+def _int_key(ds: dict, key: str) -> int | None:
+    value = ds.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{FIELD}.{key}", f"expected an integer >= 1, got {value!r}",
+                          "remove it: accum-sched fills it in from the schedule")
+    return value
+
+
+def _enabled(ds: dict, *keys: str) -> bool:
+    return any(isinstance(ds.get(k), dict) and bool(ds[k].get("enabled", False)) for k in keys)
+
+
+def _trivial_lr_scheduler(cfg) -> bool:
+    section = cfg.lr_scheduler
+    return section is None or (section.name == "constant" and section.warmup_steps == 0)
+
+
+def validate(cfg, world_size: int | None) -> None:
+    """Check the DeepSpeed config against the run config; raise ConfigError naming the field and the numbers.
+
+    ``world_size`` None skips the checks that need it (the world is known only at launch).
+    """
+    ds = load_json(cfg)
+    ours = _ours(ds)
+    acc = cfg.accumulation
+    if "schedule" in ours and acc.schedule is not None and not _same_schedule(
+            acc.schedule, acc.unit, ours["schedule"], ours.get("unit", acc.unit)):
+        raise ConfigError(f"{FIELD}.{OUR_KEY}.schedule", f"{ours['schedule']} differs from accumulation.schedule "
+                          f"{acc.schedule}", "keep the schedule in one place")
+    micro = cfg.data.micro_batch_size
+    ds_micro = _int_key(ds, "train_micro_batch_size_per_gpu")
+    if ds_micro is not None and ds_micro != micro:
+        raise ConfigError(f"{FIELD}.train_micro_batch_size_per_gpu",
+                          f"{ds_micro} disagrees with data.micro_batch_size = {micro}",
+                          "remove it from the DeepSpeed JSON (accum-sched fills it in) or make the two equal")
+    gas, tbs = _int_key(ds, "gradient_accumulation_steps"), _int_key(ds, "train_batch_size")
+    if world_size is not None and (gas is not None or tbs is not None):
+        for where, factor in _pieces(cfg.schedule_for(world_size), cfg.run.epochs):
+            want = micro * factor * world_size
+            numbers = f"micro {micro} x factor {factor} x world {world_size} = {want}"
+            if gas is not None and gas != factor:
+                key, problem = "gradient_accumulation_steps", (
+                    f"{gas} disagrees with the schedule at {where} (factor {factor}): train_batch_size "
+                    f"{tbs if tbs is not None else micro * gas * world_size} vs {numbers}")
+            elif tbs is not None and tbs != want:
+                key, problem = "train_batch_size", (
+                    f"{tbs} disagrees with the schedule at {where}: train_batch_size {tbs} vs {numbers}")
+            else:
+                continue
+            raise ConfigError(f"{FIELD}.{key}", problem,
+                              "remove gradient_accumulation_steps and train_batch_size from the DeepSpeed JSON: "
+                              "accum-sched sets them from the schedule at every factor change")
+    _check_precision(ds, cfg.run.precision)
+    clip = ds.get("gradient_clipping")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
+        raise ConfigError(f"{FIELD}.gradient_clipping", f"expected a number >= 0, got {clip!r}", "e.g. 1.0, or 0")
+    max_norm = cfg.optimizer.max_grad_norm
+    if clip and max_norm is not None and float(clip) != max_norm:
+        raise ConfigError(f"{FIELD}.gradient_clipping", f"{clip} differs from optimizer.max_grad_norm {max_norm}",
+                          "clip in one place: remove one of them")
+    if ds.get("managed_gradient_accumulation") is False:
+        raise ConfigError(f"{FIELD}.managed_gradient_accumulation", "false is not supported",
+                          "remove it: accum-sched sets DeepSpeed's accumulation boundary itself")
+    zero = ds.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError(f"{FIELD}.zero_optimization", f"expected an object, got {zero!r}", '{"stage": 2}')
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ConfigError(f"{FIELD}.zero_optimization.stage", f"{stage!r} is not 0, 1, 2 or 3", "choose a stage")
+    offload = zero.get("offload_optimizer")
+    if isinstance(offload, dict) and offload.get("device", "none") not in (None, "none"):
+        raise ConfigError(f"{FIELD}.zero_optimization.offload_optimizer", "is not supported yet",
+                          "remove it (the accumulation engine scales gradients in the ZeRO partitions)")
+    if not _trivial_lr_scheduler(cfg):
+        if "scheduler" in ds:
+            raise ConfigError("lr_scheduler", f"{cfg.lr_scheduler.name} is given and the DeepSpeed JSON has a "
+                              "\"scheduler\" too", "keep one: set lr_scheduler: null, or remove the JSON's scheduler")
+        if "optimizer" in ds:
+            raise ConfigError("lr_scheduler", f"{cfg.lr_scheduler.name} would drive accum-sched's optimizer, but the "
+                              "DeepSpeed JSON brings its own \"optimizer\"",
+                              "add a \"scheduler\" to the DeepSpeed JSON and set lr_scheduler: null")
+
+
+def _check_precision(ds: dict, precision: str) -> None:
+    bf16, fp16 = _enabled(ds, "bf16", "bfloat16"), _enabled(ds, "fp16")
+    if bf16 and precision != "bf16":
+        raise ConfigError("run.precision", f"is {precision} but the DeepSpeed JSON enables bf16 weights",
+                          "set run.precision: bf16 (the forward then runs under bf16 autocast)")
+    if fp16 and precision != "fp16":
+        raise ConfigError("run.precision", f"is {precision} but the DeepSpeed JSON enables fp16",
+                          "set run.precision: fp16")
+    if precision == "fp16" and not fp16:
+        raise ConfigError("run.precision", "fp16 with DeepSpeed needs DeepSpeed's loss scaler",
+                          "add \"fp16\": {\"enabled\": true} to the DeepSpeed JSON, or use bf16")
+
+
+# -- on the worker ----------------------------------------------------------------------------------------------
+def deepspeed_config(cfg, world_size: int, client_optimizer: bool) -> dict:
+    """The dict handed to DeepSpeed: the user's JSON without our key, batch sizes at the first factor, clipping as
+    configured (DeepSpeed's silent default of 1.0 turned off)."""
+    ds = load_json(cfg)
+    _ours(ds)
+    schedule = cfg.schedule_for(world_size)
+    factor, micro = schedule.factor_at(0), cfg.data.micro_batch_size  # the back end follows every later change
+    ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=factor,
+              train_batch_size=micro * factor * world_size)
+    if cfg.optimizer.max_grad_norm is not None or not ds.get("gradient_clipping"):
+        ds["gradient_clipping"] = 0.0  # the engine clips (optimizer.max_grad_norm), or nobody does
+    ds.setdefault("steps_per_print", 2**31 - 1)  # progress and metrics.jsonl report steps; keep DeepSpeed quiet
+    if client_optimizer and ds.get("zero_optimization", {}).get("stage", 0):
+        ds.setdefault("zero_allow_untested_optimizer", True)  # torch SGD: exact under ZeRO (tests/test_deepspeed.py)
+    return ds
+
+
+def _prepare_environment(world_size: int) -> None:
+    """What DeepSpeed needs before its import / init: the accelerator, a stable JIT cache, a process group."""
+    import torch
+
+    from accum_sched.deepspeed_backend import ensure_torch_extensions_dir
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skip DeepSpeed's accelerator probing and its warning
+    ensure_torch_extensions_dir()
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists; torchrun and the deepspeed launcher set it
+    if world_size == 1:  # a lone `python -m launcher.worker`: DeepSpeed wants a process group of one
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29511")
+
+
+def initialize(cfg, model, optimizer, lr_scheduler, world_size: int):
+    """Build the DeepSpeed engine on this worker: ``(ds_engine, optimizer, lr_scheduler)`` as DeepSpeed holds them.
+
+    The YAML's optimizer and LR scheduler are handed to DeepSpeed unless its JSON has its own sections.
+    """
+    import contextlib
+    import io
+    import logging
+    import warnings
+
+    validate(cfg, world_size)
+    _prepare_environment(world_size)
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import logger as ds_logger
+
+    # DeepSpeed logs its whole config at INFO, and warns that torch SGD is an "untested" ZeRO optimizer (it is exact:
+    # tests/test_deepspeed.py); our progress line is the UI. Its later warnings still show.
+    ds_logger.setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+    ds = load_json(cfg)
+    own_optimizer, own_scheduler = "optimizer" in ds, "scheduler" in ds
+    config = deepspeed_config(cfg, world_size, client_optimizer=not own_optimizer)
+    kwargs = {"model_parameters": [p for p in model.parameters() if p.requires_grad]} if own_optimizer else {
+        "optimizer": optimizer}
+    if not own_scheduler and not own_optimizer and lr_scheduler is not None:
+        kwargs["lr_scheduler"] = lr_scheduler  # DeepSpeed steps it once per optimizer step
+    quiet = dist.is_initialized() and dist.get_rank() != 0
+    # other ranks stay quiet: DeepSpeed prints a line per rank when it loads its shared-memory op
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        ds_engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(model=model, config=config, **kwargs)
+    ds_logger.setLevel(logging.WARNING)
+    return ds_engine, ds_optimizer, ds_scheduler
+
+
+def consolidated_state_dict(ds_engine) -> dict | None:
+    """The final model as a plain fp32 state_dict on rank 0 (None elsewhere), at every ZeRO stage. Collective."""
+    from accum_sched.deepspeed_backend import consolidated_state_dict as gather
+
+    return gather(ds_engine, rank0_only=True)
