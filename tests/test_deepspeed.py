@@ -27,8 +27,9 @@ if importlib.util.find_spec("deepspeed") is None:  # not imported here: the fixt
 WORLD = 2
 STAGES = (0, 1, 2, 3)
 BY_NAME = {c.name: c for c in cases.CASES}
-# changing schedule + partial windows + momentum; AdamW + engine clipping; per-token normalisation
-EXACT_CASES = ("sgd-changing-partial", "adamw-clip", "tokens-adamw")
+# changing schedule + partial windows + momentum; AdamW + engine clipping; an epoch shorter than the factor;
+# per-token normalisation; a parameter that gets no gradient
+EXACT_CASES = ("sgd-changing-partial", "adamw-clip", "sgd-clip-short-epoch", "tokens-adamw", "unused-params")
 DS_OPT = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01, "torch_adam": True}}
 DS_SCHED = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.002, "warmup_max_lr": 0.01, "warmup_num_steps": 6,
                                            "warmup_type": "linear"}}
