@@ -195,7 +195,11 @@ def test_run_stops_before_launch_and_check_never_imports_torch(tmp_path):
     assert "Traceback" not in proc.stderr and not os.path.exists(tmp_path / "bad")  # no worker, no run directory
     good = write_config(tmp_path, "good", deepspeed={"zero_optimization": {"stage": 2}})
     probe = ("import sys; from launcher.cli import main; code = main(['check', sys.argv[1]]); "
-             "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules, 'torch imported'; sys.exit(code)")
+             "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules, 'torch imported'; "
+             # the DDP path never imports DeepSpeed either: worker, engine, back end
+             "import torch, launcher.worker; from accum_sched import AccumulationEngine; "
+             "AccumulationEngine(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1)); "
+             "assert 'deepspeed' not in sys.modules, 'deepspeed imported'; sys.exit(code)")
     proc = subprocess.run([sys.executable, "-c", probe, good], cwd=ROOT, capture_output=True, text=True, env=env(),
                           timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
