@@ -21,7 +21,8 @@ DeepSpeed's ``train_batch_size`` / ``gradient_accumulation_steps`` follow the en
 (``set_train_batch_size(micro x factor x world)``), and ``global_samples`` is advanced by the real number of samples of
 each window (partial windows included), so DeepSpeed's logs, LR scheduler and checkpoints see true numbers.
 
-This module imports deepspeed; :mod:`accum_sched.backends` imports it only when a DeepSpeed engine is handed in.
+DeepSpeed is imported inside the functions that need it, and :mod:`accum_sched.backends` imports this module only
+when a DeepSpeed engine is handed in.
 """
 from __future__ import annotations
 
