@@ -242,7 +242,7 @@ def validate(raw: dict) -> Config:
     """Check ``raw`` (parsed YAML) against the schema; fill defaults; raise ConfigError naming the field."""
     if not isinstance(raw, dict):
         raise ConfigError("config", f"the file must hold a mapping of sections, got {type(raw).__name__}",
-                          f"start with e.g. 'task: {{target: builtin:regression}}'")
+                          "start with e.g. 'task: {target: builtin:regression}'")
     for name in raw:
         if name not in SCHEMA:
             raise ConfigError(str(name), "unknown section", _did_you_mean(str(name), SCHEMA))

@@ -77,7 +77,7 @@ def _get(environ: Mapping[str, str], names: tuple[str, ...], *, required: bool =
         if value is not None and value.strip() != "":
             return name, value.strip()
     if required:
-        raise LaunchEnvError(names[0], "not set", f"the launcher must set it together with the other variables "
+        raise LaunchEnvError(names[0], "not set", "the launcher must set it together with the other variables "
                                                   f"of its contract; set it or unset the partial set")
     return names[0], None
 

@@ -5,6 +5,7 @@ that window into one batch, takes the mean loss over its elements, and steps a s
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -164,3 +165,54 @@ CASES = [
     Case("tokens-adamw", {0: 2, 2: 3}, epochs=4, samples=(26, 27, 25), kind="tokens", optimizer="adamw", clip=1.0),
     Case("unused-params", "0:1,1:3", epochs=3, samples=(30, 29, 31), kind="unused"),
 ]
+
+
+# (case, unit, LR coupling): schedules keyed by steps, samples and tokens; the reference is reference_units()
+UNIT_CASES = [
+    (Case("step-ramp", {"ramp": {"start": 1, "end": 3, "over": 5}}, epochs=3, samples=(37, 39, 38)), "step",
+     "none"),
+    (Case("tokens", {0: 1, 150: 2, 400: 3}, epochs=3, samples=(26, 27, 25), kind="tokens", optimizer="adamw",
+          clip=1.0), "tokens", "none"),
+    (Case("samples-linear-lr", "0:1,40:2,100:4", epochs=3, samples=(37, 39, 38)), "samples", "linear"),
+    (Case("step-sqrt-lr", {0: 1, 3: 4}, epochs=2, samples=(37, 39, 38), optimizer="adamw"), "step", "sqrt"),
+]
+
+
+def brute_factor(schedule, value):
+    keys = [k for k, _ in schedule.milestones if k <= value]
+    return dict(schedule.milestones)[max(keys)] if keys else 1
+
+
+def reference_units(case, unit, coupling, world):
+    """The large-batch reference for schedules keyed by steps, samples or tokens, with optional LR coupling: its
+    own counters, a brute-force factor lookup, one big batch per window."""
+    schedule = AccumulationSchedule(case.schedule, unit)
+    model = make_model(case)
+    optimizer = make_optimizer(case, model)
+    base_lr = [g["lr"] for g in optimizer.param_groups]
+    first = brute_factor(schedule, 0)
+    counters = {"step": 0, "samples": 0, "tokens": 0}
+    for epoch in range(case.epochs):
+        per_rank = [rank_batches(case, r, epoch) for r in range(world)]
+        n = min(len(b) for b in per_rank)
+        start = 0
+        while start < n:
+            factor = brute_factor(schedule, counters[unit])
+            window = [per_rank[r][i] for r in range(world) for i in range(start, min(start + factor, n))]
+            big = (torch.cat([b[0] for b in window]), torch.cat([b[1] for b in window]))
+            losses, valid = element_losses(model, big, case.kind)
+            loss = losses[valid].mean()
+            optimizer.zero_grad()
+            loss.backward()
+            if case.clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+            ratio = factor / first
+            scale = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[coupling]
+            for group, lr in zip(optimizer.param_groups, base_lr):
+                group["lr"] = lr * scale
+            optimizer.step()
+            counters["step"] += 1
+            counters["samples"] += len(big[0])
+            counters["tokens"] += int(valid.sum())
+            start += factor
+    return model

@@ -10,6 +10,7 @@ gradient_clipping of 1.0) moves parameters by 1e-3 or more.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import warnings
@@ -37,7 +38,7 @@ NAN_AT = (0, 1)  # (epoch, micro-batch) whose loss is NaN on rank 1: the first w
 
 
 def ds_config(case, stage: int, **extra) -> dict:
-    factor = AccumulationSchedule(case.schedule).factor(0)
+    factor = AccumulationSchedule(case.schedule).factor_at(0)
     config = {"train_micro_batch_size_per_gpu": case.micro, "gradient_accumulation_steps": factor,
               "train_batch_size": case.micro * factor * WORLD, "zero_optimization": {"stage": stage},
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
@@ -139,6 +140,11 @@ def _worker(rank: int, world: int, out: str) -> None:
         runs["ddp/lr-coupling"] = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
         runs["z2/lr-coupling"] = _train_ds(sgd, rank, 2, lr_coupling="linear")
         runs["negative/ds-own-accumulation"] = _deepspeed_own_accumulation(sgd, rank)
+        # schedules keyed by optimizer steps and by tokens (issue 8): the factor changes mid-epoch, at boundaries
+        for case, unit, coupling in cases.UNIT_CASES[:2]:
+            keyed = dataclasses.replace(case, schedule=AccumulationSchedule(case.schedule, unit))
+            for stage in (0, 2, 3):
+                runs[f"z{stage}/{unit}-keyed"] = _train_ds(keyed, rank, stage, clip=case.clip, lr_coupling=coupling)
     if rank == 0:
         torch.save(runs, os.path.join(out, "runs.pt"))
 
@@ -272,3 +278,14 @@ def test_deepspeed_own_accumulation_is_not_exact(runs):
     ref = reference(case)["state"]
     got = runs["negative/ds-own-accumulation"]["state"]
     assert max((got[k] - ref[k]).abs().max().item() for k in ref) > 1e-3
+
+
+@pytest.mark.parametrize("stage", (0, 2, 3))
+@pytest.mark.parametrize("unit_case", cases.UNIT_CASES[:2], ids=lambda c: c[1])
+def test_step_and_token_keyed_schedules_equal_reference(runs, stage, unit_case):
+    case, unit, coupling = unit_case
+    run = runs[f"z{stage}/{unit}-keyed"]
+    assert len({s["factor"] for s in run["steps"]}) > 1  # the factor really changed
+    assert any(s["factor"] != t["factor"] and s["epoch"] == t["epoch"] for s, t in zip(run["steps"], run["steps"][1:]))
+    ref = cases.reference_units(case, unit, coupling, WORLD)
+    assert_params_close(run["state"], ref.state_dict(), f"ZeRO {stage} {unit}-keyed")

@@ -5,7 +5,6 @@ by brute force, window by window, then steps one large batch per window.
 """
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -19,52 +18,7 @@ from accum_sched import AccumulationSchedule
 from accum_sched.planning import simulate_steps
 from distributed import spawn
 
-UNIT_CASES = [
-    (cases.Case("step-ramp", {"ramp": {"start": 1, "end": 3, "over": 5}}, epochs=3, samples=(37, 39, 38)), "step",
-     "none"),
-    (cases.Case("tokens", {0: 1, 150: 2, 400: 3}, epochs=3, samples=(26, 27, 25), kind="tokens", optimizer="adamw",
-                clip=1.0), "tokens", "none"),
-    (cases.Case("samples-linear-lr", "0:1,40:2,100:4", epochs=3, samples=(37, 39, 38)), "samples", "linear"),
-    (cases.Case("step-sqrt-lr", {0: 1, 3: 4}, epochs=2, samples=(37, 39, 38), optimizer="adamw"), "step", "sqrt"),
-]
-
-
-def brute_factor(schedule, value):
-    keys = [k for k, _ in schedule.milestones if k <= value]
-    return dict(schedule.milestones)[max(keys)] if keys else 1
-
-
-def reference(case, unit, coupling, world):
-    schedule = AccumulationSchedule(case.schedule, unit)
-    model = cases.make_model(case)
-    optimizer = cases.make_optimizer(case, model)
-    base_lr = [g["lr"] for g in optimizer.param_groups]
-    first = brute_factor(schedule, 0)
-    counters = {"step": 0, "samples": 0, "tokens": 0}
-    for epoch in range(case.epochs):
-        per_rank = [cases.rank_batches(case, r, epoch) for r in range(world)]
-        n = min(len(b) for b in per_rank)
-        start = 0
-        while start < n:
-            factor = brute_factor(schedule, counters[unit])
-            window = [per_rank[r][i] for r in range(world) for i in range(start, min(start + factor, n))]
-            big = (torch.cat([b[0] for b in window]), torch.cat([b[1] for b in window]))
-            losses, valid = cases.element_losses(model, big, case.kind)
-            loss = losses[valid].mean()
-            optimizer.zero_grad()
-            loss.backward()
-            if case.clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
-            ratio = factor / first
-            scale = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[coupling]
-            for group, lr in zip(optimizer.param_groups, base_lr):
-                group["lr"] = lr * scale
-            optimizer.step()
-            counters["step"] += 1
-            counters["samples"] += len(big[0])
-            counters["tokens"] += int(valid.sum())
-            start += factor
-    return model
+UNIT_CASES = cases.UNIT_CASES
 
 
 def _train(rank, world, out_dir):
@@ -92,7 +46,7 @@ def test_unit_keyed_schedules_match_reference(tmp_path):
     for case, unit, coupling in UNIT_CASES:
         got = torch.load(tmp_path / f"{case.name}.pt")
         assert got["factors"][0] != got["factors"][-1], case.name  # the factor really changed mid-run
-        ref = cases.params(reference(case, unit, coupling, 2))
+        ref = cases.params(cases.reference_units(case, unit, coupling, 2))
         for g, r in zip(got["params"], ref):
             torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5, msg=lambda m: f"{case.name}: {m}")
 
@@ -103,7 +57,7 @@ def brute_steps(schedule, batches, epochs, per_micro):
     for epoch in range(epochs):
         i = 0
         while i < batches:
-            f = brute_factor(schedule, {"epoch": epoch, **counters}[schedule.unit])
+            f = cases.brute_factor(schedule, {"epoch": epoch, **counters}[schedule.unit])
             take = min(f, batches - i)
             for j in range(i, i + take):
                 consumed = per_micro(epoch, j)
