@@ -78,7 +78,7 @@ def _get(environ: Mapping[str, str], names: tuple[str, ...], *, required: bool =
             return name, value.strip()
     if required:
         raise LaunchEnvError(names[0], "not set", "the launcher must set it together with the other variables "
-                                                  f"of its contract; set it or unset the partial set")
+                                                  "of its contract; set it or unset the partial set")
     return names[0], None
 
 
