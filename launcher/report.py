@@ -3,10 +3,10 @@
 Pure functions over parsed JSON, so they are testable without a run and never import torch; matplotlib is imported
 only inside `render()` (it is the optional `report` extra).
 
-Reading metrics.jsonl: the worker appends one line per optimizer step and keeps appending across a resume (steps
-restart after the checkpoint's step, wall_time restarts at 0) and across a fresh rerun into the same directory
-(steps restart at 1). `parse_metrics` rebuilds the one timeline that led to the current state: whenever the step
-count goes back, the lines from that step on are replaced by the newer ones, so a step is always its last line.
+Reading metrics.jsonl: the worker writes one line per optimizer step; on --resume it first cuts the file back to
+the checkpoint's step, and a resumed session's wall_time restarts at 0. `parse_metrics` still rebuilds one timeline
+from a file where the step count goes back (lines gathered by hand, older runs): the lines from that step on are
+replaced by the newer ones, so a step is always its last line.
 """
 from __future__ import annotations
 
