@@ -22,6 +22,8 @@ class TorchBackend:
 
     #: True when the gradient collective averages over ranks (DDP), so the engine multiplies by world size.
     averages_over_world = False
+    #: The engine may multiply losses by a per-window constant (see AccumulationEngine._window_prescale).
+    prescale_ok = True
 
     def __init__(self, model: torch.nn.Module, optimizer, lr_scheduler=None, scaler=None):
         if optimizer is None:

@@ -38,6 +38,13 @@ def all_sum(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def all_sum_async(values: torch.Tensor):
+    """Start summing ``values`` over ranks in place; returns the work to ``wait()`` on (None in one process)."""
+    if is_distributed():
+        return dist.all_reduce(values, op=dist.ReduceOp.SUM, async_op=True)
+    return None
+
+
 def min_max(values: Sequence[int]) -> tuple[list[int], list[int]]:
     """Per-entry (minimum, maximum) of integer ``values`` over ranks, in one all-reduce (MAX of v and -v)."""
     if not is_distributed():

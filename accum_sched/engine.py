@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Iterator
@@ -88,7 +89,8 @@ class AccumulationEngine:
             with a warning) or ``"error"``.
         nonfinite: a non-finite loss or gradient: ``"skip"`` the step on every rank (default) or ``"raise"``.
         precision: ``"fp32"``, ``"bf16"`` (autocast, CPU or GPU) or ``"fp16"`` (autocast + GradScaler, GPU only).
-        micro_batch_size: only used to report the effective batch (``micro x factor x world``).
+        micro_batch_size: samples per micro-batch: reports the effective batch (``micro x factor x world``) and
+            lets windows of full micro-batches skip a scaling pass over the gradient (same value on every rank).
         count_allreduce: count DDP gradient all-reduce rounds with a comm hook (default True).
         lr_coupling: scale the learning rate with the effective batch when the factor changes: ``"none"``
             (default), ``"linear"`` (LR x factor / first factor) or ``"sqrt"`` (LR x sqrt of that ratio). Applied
@@ -141,6 +143,10 @@ class AccumulationEngine:
         self._win_loss: torch.Tensor | None = None
         self._win_n: torch.Tensor | None = None
         self._win_samples = 0
+        self._boundary = False  # the micro-batch handed out last ends its window
+        self._prescale = 1.0  # loss multiplier of the open window (see _window_prescale)
+        self._stats: torch.Tensor | None = None  # the window's counts and flags, summed over ranks ...
+        self._stats_work = None  # ... by an all-reduce started before the window's last backward
 
     # -- public counters ----------------------------------------------------------------------------------------
     @property
@@ -208,6 +214,7 @@ class AccumulationEngine:
             factor = self.schedule.factor_for(self._position())
             size = min(factor, total - consumed)
             self.factor = factor
+            self._prescale = self._window_prescale(size)
             for j in range(size):
                 try:
                     batch = next(iterator)
@@ -215,6 +222,7 @@ class AccumulationEngine:
                     raise RuntimeError(f"epoch {epoch}: the loader ended after {consumed + j} micro-batches but "
                                        f"len() promised {num_batches}") from None
                 boundary = j == size - 1
+                self._boundary = boundary
                 with self.backend.sync_context(boundary):
                     self._expect_backward = True
                     self._win_samples += _batch_size(batch)
@@ -232,7 +240,8 @@ class AccumulationEngine:
         factor = self.schedule.factor_for(self._position())
         ranges = collective.agree(
             {"accumulation factor": factor, "schedule fingerprint": self.schedule.fingerprint(),
-             "resume position": start, "micro-batches per epoch": num_batches},
+             "resume position": start, "micro-batches per epoch": num_batches,
+             "micro-batch size": self.micro_batch_size or 0},
             context=f"at the start of epoch {epoch}", allow=("micro-batches per epoch",))
         low, high = ranges["micro-batches per epoch"]
         if low != high:
@@ -250,21 +259,58 @@ class AccumulationEngine:
     def backward(self, loss_sum: torch.Tensor, n_elements) -> None:
         """Backward of one micro-batch. ``loss_sum`` is the SUM of per-element losses, ``n_elements`` their count.
 
-        The sum is back-propagated unscaled; the window's gradient is divided by the global element count once,
-        at the boundary, which makes the step exactly that of one batch made of the whole window.
+        The sum is back-propagated (times one constant per window when ``micro_batch_size`` is known); the
+        window's gradient is divided by the global element count once, at the boundary, which makes the step
+        exactly that of one batch made of the whole window.
         """
         if not self._expect_backward:
             raise RuntimeError("engine.backward() must be called once per micro-batch from engine.micro_batches()")
         self._expect_backward = False
         n = torch.as_tensor(n_elements, dtype=torch.float64).detach().reshape(())
         loss_value = loss_sum.detach().double().reshape(())
-        if self.normalize == "micro_batches":
-            self.backend.backward(loss_sum / n.to(loss_sum.device, loss_sum.dtype))
-        else:
-            self.backend.backward(loss_sum)
         self._win_loss = loss_value if self._win_loss is None else self._win_loss + loss_value
         self._win_n = n if self._win_n is None else self._win_n + n.to(self._win_n.device)
+        if self._boundary:
+            self._start_window_stats()
+        if self.normalize == "micro_batches":
+            self.backend.backward(loss_sum / n.to(loss_sum.device, loss_sum.dtype))
+        elif self._prescale != 1.0:
+            self.backend.backward(loss_sum * self._prescale)
+        else:
+            self.backend.backward(loss_sum)
         self.micro_steps += 1
+
+    def _window_prescale(self, size: int) -> float:
+        """Loss multiplier for a window of ``size`` micro-batches: 1/(its global element count, if it is full).
+
+        With ``micro_batch_size`` known, every micro-batch's loss is multiplied by the share a window of full
+        micro-batches gives it, so DDP's all-reduce already delivers the exact mean and the boundary has nothing
+        left to scale (the correction in _finish_window is exactly 1.0 and the back end skips a pass over every
+        gradient). A short micro-batch or token counts make the correction differ from 1 and it is applied then.
+        The multiplier is the same on every rank (the micro-batch size is agreed at each epoch start).
+        """
+        if (self.micro_batch_size is None or self.normalize != "elements"
+                or not getattr(self.backend, "prescale_ok", False)):
+            return 1.0
+        averaging = self.world_size if self.backend.averages_over_world else 1
+        return averaging / (self.micro_batch_size * size * self.world_size)
+
+    def _start_window_stats(self) -> None:
+        """Start summing the window's counts, loss and flags over ranks, before its last backward runs.
+
+        The all-reduce then overlaps that backward and DDP's gradient all-reduce instead of adding a blocking
+        round trip at every boundary (measured: ~2 ms of a 14 ms step of a 1M-parameter model on 2 CPU ranks).
+        Every rank starts it at the same point, before the same gradient collectives, so the order agrees.
+        """
+        device = collective.comm_device()
+        loss = self._win_loss.to(device)
+        self._stats = torch.stack([
+            self._win_n.to(device), loss,
+            torch.tensor(float(self._win_samples), dtype=torch.float64, device=device),
+            (~torch.isfinite(loss)).double(),
+            torch.tensor(float(self._stop_requested), dtype=torch.float64, device=device),
+        ])
+        self._stats_work = collective.all_sum_async(self._stats)
 
     def train_epoch(self, loader: Iterable, loss_fn: Callable, epoch: int | None = None) -> None:
         """Run one epoch: ``loss_fn(model, batch) -> (loss_sum, n_elements)`` on every micro-batch."""
@@ -274,17 +320,15 @@ class AccumulationEngine:
             self.backward(loss_sum, n)
 
     def _finish_window(self, epoch: int, factor: int, size: int) -> None:
-        device = collective.comm_device()
-        norm = self.backend.grad_norm().to(device)
-        loss = self._win_loss.to(device)
-        # The one collective per step besides the gradient all-reduce: counts, loss, flags.
-        stats = torch.stack([
-            self._win_n.to(device), loss,
-            torch.tensor(float(self._win_samples), dtype=torch.float64, device=device),
-            (~torch.isfinite(loss) | ~torch.isfinite(norm)).double(),
-            torch.tensor(float(self._stop_requested), dtype=torch.float64, device=device),
-        ])
-        n_total, loss_total, samples, nonfinite, stop = collective.all_sum(stats).tolist()
+        norm = self.backend.grad_norm()
+        # The one collective per step besides the gradient all-reduce (counts, loss, flags) was started before
+        # the last backward; by now it has normally completed.
+        if self._stats_work is not None:
+            self._stats_work.wait()
+        n_total, loss_total, samples, nonfinite, stop = self._stats.tolist()
+        # grad_norm() is global, computed from the gradient every rank holds after its all-reduce, so each rank
+        # reaches the same verdict on its finiteness without another collective.
+        nonfinite += not math.isfinite(float(norm))
         n_total_int = int(round(n_total))
         skip = nonfinite > 0 or n_total_int == 0
         if nonfinite > 0 and self.nonfinite == "raise":
@@ -292,6 +336,8 @@ class AccumulationEngine:
                                      f"(nonfinite='raise'; use nonfinite='skip' to skip such steps)")
         if self.normalize == "micro_batches":
             coef = 1.0 / size
+        elif self._prescale != 1.0:  # already divided by a full window's count; correct for the real one
+            coef = (self.micro_batch_size * size * self.world_size) / max(n_total, 1.0)
         else:
             coef = (self.world_size if self.backend.averages_over_world else 1) / max(n_total, 1.0)
         lr_scale = self._lr_scale(factor)
@@ -312,6 +358,7 @@ class AccumulationEngine:
         self.should_stop = stop > 0
         self._win_loss = self._win_n = None
         self._win_samples = 0
+        self._stats = self._stats_work = None
         info = StepInfo(epoch=epoch, step=self.optimizer_steps, factor=factor, micro_batches=size,
                         elements=n_total_int, samples=int(round(samples)),
                         loss=loss_total / n_total if n_total else float("nan"), lr=lr,

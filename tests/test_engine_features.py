@@ -127,6 +127,25 @@ def _feature_checks(rank: int, world: int, out_dir: str) -> None:
 
     report["lr"] = _attempt(scheduled_lr)
 
+    def prescaled():
+        # micro_batch_size known: losses are pre-divided by a full window's count, the boundary scales only when
+        # the window was not full (rank 1's short last micro-batch closes each epoch's last window)
+        model, _, _, engine = _ddp_engine(FEAT, micro_batch_size=FEAT.micro)
+        coefs = []
+        step = engine.backend.step
+
+        def recording_step(coef, *args, **kwargs):
+            coefs.append(coef)
+            return step(coef, *args, **kwargs)
+
+        engine.backend.step = recording_step
+        for epoch in range(FEAT.epochs):
+            engine.train_epoch(cases.rank_batches(FEAT, rank, epoch), regression, epoch)
+        save("prescaled", model)
+        return coefs
+
+    report["prescaled"] = _attempt(prescaled)
+
     def resume():
         # uninterrupted
         model, _, _, engine = _ddp_engine(RESUME, scheduler=True)
@@ -280,6 +299,18 @@ def test_lr_scheduler_steps_once_per_optimizer_step(reports):
         assert seen["result"]["lrs"] == pytest.approx(ref_lrs, rel=1e-12)
         assert len(set(ref_lrs)) > 2  # the LR did change over the run
         assert_params(_load(out, "lr", rank), ref)
+
+
+def test_known_micro_batch_size_skips_the_scaling_pass_and_stays_exact(reports):
+    out, per_rank = reports
+    ref, _ = reference(FEAT, 2)
+    for rank, report in enumerate(per_rank):
+        seen = report["prescaled"]
+        assert seen["error"] is None, seen["error"]
+        coefs = seen["result"]
+        last_of_epoch = {4, 8}  # 5 windows of 2, then 4 windows of 3 and 1: the windows holding the short batch
+        assert [i for i, c in enumerate(coefs) if c != 1.0] == sorted(last_of_epoch), coefs
+        assert_params(_load(out, "prescaled", rank), ref)
 
 
 def test_resume_from_mid_epoch_state_dict_is_bitwise_equal(reports):
