@@ -121,6 +121,7 @@ class _Counter:
     def __init__(self):
         self.rounds = 0
         self.bytes = 0
+        self.squared_norms: list[torch.Tensor] = []  # filled by _allreduce_with_norm, one per reduced bucket
 
 
 def _counting_allreduce(state: _Counter, bucket):
@@ -131,6 +132,22 @@ def _counting_allreduce(state: _Counter, bucket):
     if bucket.is_last():  # one backward = one round, however many buckets it takes
         state.rounds += 1
     return default_hooks.allreduce_hook(None, bucket)
+
+
+def _allreduce_with_norm(state: _Counter, bucket):
+    """_counting_allreduce that also takes the squared L2 norm of each bucket once it is reduced.
+
+    The engine needs the global gradient norm at every boundary (non-finite check, clipping, metrics). Taken here,
+    on the communication thread while the backward still runs, the bucket has just been written and is still in
+    cache; a separate pass over every .grad after the backward cost ~0.5 ms a step for 1M parameters on CPU.
+    """
+    def squared_norm(fut):
+        reduced = fut.value()
+        norm = torch.linalg.vector_norm(reduced, dtype=None if reduced.dtype == torch.float32 else torch.float32)
+        state.squared_norms.append(norm.double() ** 2)  # list.append: safe if buckets finish on two threads
+        return reduced
+
+    return _counting_allreduce(state, bucket).then(squared_norm)
 
 
 class DDPBackend(TorchBackend):
@@ -147,14 +164,31 @@ class DDPBackend(TorchBackend):
                              "construct DDP without static_graph (find_unused_parameters=True works)")
         self.world_size = collective.world_size()
         self._counter = _Counter()
+        # The hook's bucket norms cover every DDP parameter; use them only when those are the optimizer's.
+        ddp_elements = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        opt_elements = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+        self._norm_in_hook = count_allreduce and scaler is None and ddp_elements == opt_elements
         if count_allreduce:
             try:
-                model.register_comm_hook(self._counter, _counting_allreduce)
+                model.register_comm_hook(self._counter,
+                                         _allreduce_with_norm if self._norm_in_hook else _counting_allreduce)
             except RuntimeError as exc:  # the user registered a hook of their own: keep it, count nothing
                 warnings.warn(f"gradient all-reduce rounds are not counted: {exc}", stacklevel=3)
                 self._counter = None
+                self._norm_in_hook = False
         else:
             self._counter = None
+
+    def grad_norm(self) -> torch.Tensor:
+        if self._norm_in_hook and self._counter.squared_norms:
+            squares, self._counter.squared_norms = self._counter.squared_norms, []
+            return torch.stack(squares).sum().sqrt()
+        return super().grad_norm()
+
+    def step(self, coef: float, max_norm: float | None, norm: float, skip: bool, **kwargs) -> None:
+        if self._counter is not None:
+            self._counter.squared_norms = []  # a window whose norm was not asked for leaves none behind
+        super().step(coef, max_norm, norm, skip, **kwargs)
 
     @property
     def allreduce_rounds(self):
