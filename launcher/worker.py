@@ -7,6 +7,7 @@ summary.json (rank 0). The loop reads top to bottom; everything clever lives in 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import random
@@ -266,15 +267,26 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore")
         logging.getLogger("accum_sched").setLevel(logging.ERROR)
     device = init_distributed(cfg, launch)
-    try:
-        trainer = Trainer(cfg, device, args.resume)
-        preemption.attach(trainer.engine.request_stop)
-        trainer.fit()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    trainer = Trainer(cfg, device, args.resume)
+    preemption.attach(trainer.engine.request_stop)
+    trainer.fit()
+    # Tear down in order while the interpreter is fully alive: DDP (and DeepSpeed) hold the process group and our
+    # comm hook, and the trainer sits in a reference cycle with its engine's callbacks, so without an explicit
+    # collection they would die during interpreter finalization, where a gloo group's threads can abort the
+    # process ("terminate called without an active exception", seen rarely under load). On a failure we raise
+    # instead: destroying a group other ranks still use can hang, and torchrun stops them anyway.
+    del trainer
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Outputs are written and closed and the group is gone; skip interpreter finalization and its C++ destructor
+    # races altogether (the exit status is what torchrun reads).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
