@@ -14,10 +14,11 @@ def _entry(rank: int, world: int, init_file: str, fn, args):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
+    fn(rank, world, *args)
+    import gc
+
+    gc.collect()  # free DDP (it holds the group) before the group goes, not during interpreter finalization
+    dist.destroy_process_group()
 
 
 def spawn(fn, world: int, *args) -> None:
