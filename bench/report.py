@@ -1,8 +1,8 @@
 """Turn the per-rank records of every launch into the benchmark's tables and target verdicts (pure functions).
 
-``records[model][variant]`` is a list over repetitions of ``[rank0_record, rank1_record]`` (see bench/worker.py);
-repetition i of every variant ran in the same interleaved round, so ratios are taken within a round and then
-summarised as median [min-max] over rounds.
+``records[variant]`` maps a repetition index to ``[rank0_record, rank1_record]`` (see bench/worker.py);
+repetition i of every variant ran in the same interleaved round, so ratios are taken within a round (rounds where
+either side has no record are left out) and then summarised as median [min-max] over rounds.
 """
 from __future__ import annotations
 
@@ -54,36 +54,42 @@ def summarise(workload, records: dict, variants: dict, baseline: str, agreement:
     by_factor: dict[int, list[int]] = {}
     for epoch, factor in workload.timed_epochs():
         by_factor.setdefault(factor, []).append(epoch)
-    base_reps = records.get(baseline, [])
+    base = records.get(baseline, {})
     out = {"factors": {}, "variants": {}}
     for factor, epochs in by_factor.items():
         rows = {}
         for name in variants:
-            reps = records.get(name, [])
+            reps = records.get(name, {})
             if not reps:
                 continue
-            sps = [throughput(rep, epochs, samples_per_epoch) for rep in reps]
-            ratios = [s / throughput(base, epochs, samples_per_epoch) for s, base in zip(sps, base_reps)]
-            cpu = [cpu_efficiency(rep, epochs, samples_per_epoch) / cpu_efficiency(base, epochs, samples_per_epoch)
-                   for rep, base in zip(reps, base_reps)]
+            paired = [i for i in sorted(reps) if i in base]
+            sps = [throughput(reps[i], epochs, samples_per_epoch) for i in sorted(reps)]
+            ratios = [throughput(reps[i], epochs, samples_per_epoch) / throughput(base[i], epochs, samples_per_epoch)
+                      for i in paired]
+            cpu = [cpu_efficiency(reps[i], epochs, samples_per_epoch) / cpu_efficiency(base[i], epochs,
+                                                                                        samples_per_epoch)
+                   for i in paired]
+            first = reps[min(reps)]
             rows[name] = {"samples_per_s": sps, "ratio": ratios, "cpu_ratio": cpu,
-                          "rounds_per_step": per_step(reps[0], epochs, "rounds"),
-                          "bytes_per_step": per_step(reps[0], epochs, "bytes")}
+                          "rounds_per_step": per_step(first, epochs, "rounds"),
+                          "bytes_per_step": per_step(first, epochs, "bytes")}
         out["factors"][factor] = rows
     for name in variants:
-        reps = records.get(name, [])
+        reps = records.get(name, {})
         if not reps:
             continue
-        rss = [max(r["peak_rss_mb"] for r in rep) for rep in reps]
-        base_rss = [max(r["peak_rss_mb"] for r in rep) for rep in base_reps]
+        paired = [i for i in sorted(reps) if i in base]
+        peak = {i: max(r["peak_rss_mb"] for r in reps[i]) for i in reps}
+        world = len(reps[min(reps)])
         out["variants"][name] = {
-            "rss_mb_per_rank": [statistics.median(rep[i]["peak_rss_mb"] for rep in reps) for i in range(len(reps[0]))],
-            "rss_ratio": [a / b for a, b in zip(rss, base_rss)],
-            "first_step_s": [rep[0]["first_step_s"] for rep in reps],
+            "repetitions": len(reps),
+            "rss_mb_per_rank": [statistics.median(reps[i][k]["peak_rss_mb"] for i in reps) for k in range(world)],
+            "rss_ratio": [peak[i] / max(r["peak_rss_mb"] for r in base[i]) for i in paired],
+            "first_step_s": [reps[i][0]["first_step_s"] for i in sorted(reps)],
             "agreement": agreement.get(name),
-            "rounds_equal_steps": all(r[0]["epochs"][e]["rounds"] == r[0]["epochs"][e]["steps"]
-                                      for r in reps for e in r[0]["epochs"]),
-            "imported_deepspeed": any(r["imported_deepspeed"] for rep in reps for r in rep),
+            "rounds_equal_steps": all(rep[0]["epochs"][e]["rounds"] == rep[0]["epochs"][e]["steps"]
+                                      for rep in reps.values() for e in rep[0]["epochs"]),
+            "imported_deepspeed": any(r["imported_deepspeed"] for rep in reps.values() for r in rep),
         }
     out["skipped"] = skipped
     return out

@@ -1,6 +1,6 @@
 """Benchmark: the accum_sched engine next to what users would pick instead, on 2 gloo ranks, in one run.
 
-    python bench/run.py            # models 1M and 20M, factors 1, 2, 4, 8, 3 repetitions (about 15-20 min, 2 cores)
+    python bench/run.py            # models 1M and 20M, factors 1, 2, 4, 8, 3 repetitions (about 35 min, 2 cores)
     python bench/run.py --quick    # 1M model only, shorter epochs (a few minutes)
 
 Every variant (bench/variants.py) trains the same model, data and schedule; each launch is a fresh
@@ -33,8 +33,8 @@ import startup  # noqa: E402
 from variants import BASELINE, VARIANTS  # noqa: E402  (imports torch: only for the tensors it passes around)
 from workload import Workload, param_count, reference  # noqa: E402
 
-# Epoch lengths leave partial windows at factors 4 and 8 (94 = 8*11 + 6, 190 = 8*23 + 6, 30 = 8*3 + 6).
-QUICK = [Workload(model="1M", batches=94, epochs_per_factor=2)]
+# Epoch lengths leave partial windows at factors 4 and 8 (62 = 8*7 + 6, 190 = 8*23 + 6, 30 = 8*3 + 6).
+QUICK = [Workload(model="1M", batches=62, epochs_per_factor=2)]
 SMOKE = [Workload(model="1M", batches=14, factors=(1, 4), epochs_per_factor=1)]
 FULL = [Workload(model="1M", batches=190, epochs_per_factor=3), Workload(model="20M", batches=30, epochs_per_factor=2)]
 
@@ -56,14 +56,20 @@ def launch(name: str, workload: Workload, prefix: str, save_params: bool, timeou
             os.killpg(proc.pid, signal.SIGKILL)  # this launch's torchrun and its two workers, nothing else
             proc.wait()
             raise RuntimeError(f"no result after {timeout:.0f} s (log: {prefix}.log)")
-    if proc.returncode != 0:
+    paths = [f"{prefix}.rank{rank}.json" for rank in range(workload.world)]
+    if proc.returncode != 0 and not all(os.path.exists(p) for p in paths):
         with open(prefix + ".log") as f:
             tail = [line.strip() for line in f if line.strip()][-3:]
         raise RuntimeError(f"exit {proc.returncode}: {' | '.join(tail)} (log: {prefix}.log)")
+    # Every rank wrote its record, so the measurement is complete even if a rank then died: gloo's teardown
+    # occasionally aborts a process here ("terminate called without an active exception", after
+    # destroy_process_group) in any variant, the plain loops included.
     records = []
-    for rank in range(workload.world):
-        with open(f"{prefix}.rank{rank}.json") as f:
+    for path in paths:
+        with open(path) as f:
             records.append(json.load(f))
+    if proc.returncode != 0:
+        print(f"    (exit {proc.returncode} after both records were written: kept; log: {prefix}.log)", flush=True)
     return records
 
 
@@ -127,26 +133,34 @@ def main(argv: list[str] | None = None) -> int:
 
     texts, verdict_lines, results = [header], [], {}
     for w in workloads:
-        records: dict[str, list] = {n: [] for n in runnable}
-        failed: dict[str, str] = dict(skipped)
+        records: dict[str, dict[int, list]] = {n: {} for n in runnable}  # variant -> repetition -> rank records
+        errors: dict[str, str] = {}
+        params_saved: set[str] = set()
         for rep in range(args.reps):
             order = runnable[rep % len(runnable):] + runnable[:rep % len(runnable)]  # rotate: no fixed position
             for name in order:
-                if name in failed:
-                    continue
-                prefix = os.path.join(out_dir, f"{w.model}-{name}-rep{rep}")
-                t0 = time.time()
-                try:
-                    records[name].append(launch(name, w, prefix, save_params=rep == 0, timeout=args.timeout))
+                for attempt in range(2):  # one retry: a launch on a busy machine can fail for reasons not its own
+                    prefix = os.path.join(out_dir, f"{w.model}-{name}-rep{rep}" + ("-retry" if attempt else ""))
+                    t0 = time.time()
+                    try:
+                        records[name][rep] = launch(name, w, prefix, save_params=name not in params_saved,
+                                                    timeout=args.timeout)
+                    except RuntimeError as exc:
+                        errors[name] = f"launch failed: {exc}"
+                        print(f"  {w.model} rep {rep + 1}/{args.reps} {name}: FAILED {exc}", flush=True)
+                        continue
+                    if name not in params_saved:
+                        params_saved.add(name)
+                        os.replace(prefix + ".params.pt", os.path.join(out_dir, f"{w.model}-{name}.params.pt"))
                     print(f"  {w.model} rep {rep + 1}/{args.reps} {name}: {time.time() - t0:.0f} s", flush=True)
-                except RuntimeError as exc:
-                    failed[name] = f"launch failed: {exc}"
-                    records.pop(name, None)
-                    print(f"  {w.model} rep {rep + 1}/{args.reps} {name}: FAILED {exc}", flush=True)
+                    break
+        failed = dict(skipped)
+        failed.update({n: errors[n] for n in runnable if not records[n]})
+        records = {n: r for n, r in records.items() if r}
         if BASELINE in failed:
             texts.append(f"model {w.model}: the baseline failed ({failed[BASELINE]}); no ratios")
             continue
-        agreement = _agreement(w, out_dir, [n for n in records if n not in failed])
+        agreement = _agreement(w, out_dir, list(records))
         summary = report.summarise(w, records, {n: VARIANTS[n] for n in records}, BASELINE, agreement,
                                    {n: failed[n] for n in names if n in failed})
         results[w.model] = {"workload": w.to_json(), "summary": summary}
@@ -176,14 +190,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _agreement(w: Workload, out_dir: str, names: list[str]) -> dict[str, float]:
-    """max |param - reference| of every variant's first repetition (the reference runs here, after the launches)."""
+    """max |param - reference| of each variant's first complete run (the reference runs here, after the launches)."""
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
     ref = reference(w)
     out = {}
     for name in names:
-        path = os.path.join(out_dir, f"{w.model}-{name}-rep0.params.pt")
+        path = os.path.join(out_dir, f"{w.model}-{name}.params.pt")
         if os.path.exists(path):
             got = torch.load(path)
             out[name] = max((a - b).abs().max().item() for a, b in zip(got, ref))
