@@ -47,6 +47,10 @@ def launch(name: str, workload: Workload, prefix: str, save_params: bool, timeou
            os.path.join(HERE, "worker.py"), name, json.dumps(workload.to_json()), prefix]
     if save_params:
         cmd.append("--save-params")
+    paths = [f"{prefix}.rank{rank}.json" for rank in range(workload.world)]
+    for path in paths + [prefix + ".params.pt"]:
+        if os.path.exists(path):
+            os.remove(path)  # a record left by an earlier run must not pass for this launch's
     with open(prefix + ".log", "w") as log:
         env["BENCH_LAUNCH_TIME"] = repr(time.time())
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -56,7 +60,6 @@ def launch(name: str, workload: Workload, prefix: str, save_params: bool, timeou
             os.killpg(proc.pid, signal.SIGKILL)  # this launch's torchrun and its two workers, nothing else
             proc.wait()
             raise RuntimeError(f"no result after {timeout:.0f} s (log: {prefix}.log)")
-    paths = [f"{prefix}.rank{rank}.json" for rank in range(workload.world)]
     if proc.returncode != 0 and not all(os.path.exists(p) for p in paths):
         with open(prefix + ".log") as f:
             tail = [line.strip() for line in f if line.strip()][-3:]
