@@ -199,11 +199,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
 ]}
 BASELINE = "no_sync"  # ratios are relative to this row
 
-# DeepSpeed rows (issue 7): not yet measured. To add them, write run_deepspeed_engine(w, rec, stage) driving
-# accum_sched's DeepSpeed back end (ZeRO 0 and 2) and run_deepspeed_fixed_gas(w, rec) (DeepSpeed alone with a fixed
-# gradient_accumulation_steps), give rec.counts a counter DeepSpeed can feed (its all-reduce does not go through
-# DDP comm hooks: return (None, None) if it cannot be counted), and register them here, e.g.
-#   Variant("ds-zero0", "accum_sched + DeepSpeed ZeRO-0", functools.partial(run_deepspeed_engine, stage=0),
-#           requires=("deepspeed",))
-DEEPSPEED_VARIANTS: dict[str, Variant] = {}
+# DeepSpeed rows (issue 7): accum_sched's DeepSpeed back end at ZeRO 0 and 2, and DeepSpeed alone with a GAS per
+# epoch, in bench/variants_deepspeed.py; their collectives are counted in deepspeed.comm (no DDP comm hook there).
+from variants_deepspeed import variants as _deepspeed_variants  # noqa: E402
+
+DEEPSPEED_VARIANTS: dict[str, Variant] = _deepspeed_variants(Variant)
 VARIANTS.update(DEEPSPEED_VARIANTS)
