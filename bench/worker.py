@@ -70,9 +70,14 @@ def main(argv: list[str]) -> int:
         torch.save([p.detach().clone() for p in model.parameters()], f"{out_prefix}.params.pt")
     with open(f"{out_prefix}.rank{rank}.json", "w") as f:
         json.dump(record, f)
+    # Leave without tearing the process group down: gloo's teardown occasionally aborts a process here
+    # ("terminate called without an active exception") after the record is written. The barrier keeps a rank
+    # from leaving while its peer still talks to it.
     if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    return 0
+        torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

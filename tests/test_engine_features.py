@@ -15,7 +15,7 @@ import torch
 
 import cases
 from accum_sched import AccumulationSchedule
-from distributed import spawn
+from test_engine_lockstep import spawn_bounded
 
 FEAT = cases.Case("features", {0: 2, 1: 3}, epochs=2, samples=(40, 38))  # 10 micro-batches a rank, short last one
 RESUME = cases.Case("resume", {0: 2, 1: 3}, epochs=3, samples=(40, 38), optimizer="adamw")
@@ -243,7 +243,7 @@ def assert_params(got, ref_model, atol=1e-6):
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("features")
-    spawn(_feature_checks, 2, str(out))
+    spawn_bounded(_feature_checks, 2, 240, str(out))  # a hang fails in 4 minutes, not after gloo's 30
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 import warnings
@@ -18,7 +19,6 @@ import torch
 import torch.multiprocessing as mp
 
 import cases
-import distributed
 from accum_sched import AccumulationSchedule
 
 DEADLINE_S = 150  # the whole launch, start-up included; a disagreement itself must surface within 60 s
@@ -28,10 +28,27 @@ COUNTED = cases.Case("counted", {0: 1, 1: 4}, epochs=2, samples=(64, 64))  # 16 
 MISMATCH = {"factor": ({0: 2}, {0: 3}), "fingerprint": ({0: 2, 3: 4}, {0: 2, 3: 8})}
 
 
+def _entry_without_teardown(rank: int, world: int, init_file: str, fn, args) -> None:
+    """distributed._entry minus the process-group teardown, which on this machine occasionally aborts a process
+    ("terminate called without an active exception") after everything it had to do is done: seen in the
+    benchmark's plain DDP loops too, so not ours. The ranks meet at a barrier, so none leaves while a peer still
+    talks to it, then exit at once."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    fn(rank, world, *args)
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn_bounded(fn, world: int, deadline_s: float, *args) -> None:
     """Like distributed.spawn, but kill the ranks (ours) and fail if they are still running after ``deadline_s``."""
     with tempfile.TemporaryDirectory() as tmp:
-        context = mp.start_processes(distributed._entry, args=(world, os.path.join(tmp, "store"), fn, args),
+        context = mp.start_processes(_entry_without_teardown, args=(world, os.path.join(tmp, "store"), fn, args),
                                      nprocs=world, join=False, start_method="spawn")
         start = time.monotonic()
         while not context.join(timeout=1.0):
