@@ -130,28 +130,7 @@ def run_engine(case: Case, rank: int, world: int, **engine_kwargs):
 
 def reference(case: Case, world: int) -> nn.Module:
     """Plain torch, one process: one large batch per window, made of every rank's micro-batches of that window."""
-    schedule = AccumulationSchedule(case.schedule)
-    model = make_model(case)
-    optimizer = make_optimizer(case, model)
-    for epoch in range(case.epochs):
-        per_rank = [rank_batches(case, r, epoch) for r in range(world)]
-        n = min(len(b) for b in per_rank)
-        factor = schedule.factor(epoch)
-        for start in range(0, n, factor):
-            window = [per_rank[r][i] for r in range(world) for i in range(start, min(start + factor, n))]
-            if case.kind == "tokens":
-                # sequences of one window have one padded length, so they concatenate into one batch
-                big = (torch.cat([b[0] for b in window]), torch.cat([b[1] for b in window]))
-            else:
-                big = (torch.cat([b[0] for b in window]), torch.cat([b[1] for b in window]))
-            losses, valid = element_losses(model, big, case.kind)
-            loss = losses[valid].mean()
-            optimizer.zero_grad()
-            loss.backward()
-            if case.clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
-            optimizer.step()
-    return model
+    return reference_units(case, "epoch", "none", world)
 
 
 def params(model: nn.Module) -> list[torch.Tensor]:
@@ -184,15 +163,17 @@ def brute_factor(schedule, value):
 
 
 def reference_units(case, unit, coupling, world):
-    """The large-batch reference for schedules keyed by steps, samples or tokens, with optional LR coupling: its
-    own counters, a brute-force factor lookup, one big batch per window."""
+    """The large-batch reference for schedules keyed by epochs, steps, samples or tokens, with optional LR coupling:
+    its own counters, a brute-force factor lookup, one big batch per window (sequences of a window share one padded
+    length, so token batches concatenate too)."""
     schedule = AccumulationSchedule(case.schedule, unit)
     model = make_model(case)
     optimizer = make_optimizer(case, model)
     base_lr = [g["lr"] for g in optimizer.param_groups]
     first = brute_factor(schedule, 0)
-    counters = {"step": 0, "samples": 0, "tokens": 0}
+    counters = {"epoch": 0, "step": 0, "samples": 0, "tokens": 0}
     for epoch in range(case.epochs):
+        counters["epoch"] = epoch
         per_rank = [rank_batches(case, r, epoch) for r in range(world)]
         n = min(len(b) for b in per_rank)
         start = 0
