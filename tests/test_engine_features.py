@@ -7,15 +7,13 @@ from __future__ import annotations
 import io
 import json
 import os
-import time
-import warnings
 
 import pytest
 import torch
 
 import cases
 from accum_sched import AccumulationSchedule
-from test_engine_lockstep import spawn_bounded
+from distributed import attempt, spawn
 
 FEAT = cases.Case("features", {0: 2, 1: 3}, epochs=2, samples=(40, 38))  # 10 micro-batches a rank, short last one
 RESUME = cases.Case("resume", {0: 2, 1: 3}, epochs=3, samples=(40, 38), optimizer="adamw")
@@ -59,18 +57,6 @@ def _nan_loss_fn(rank: int):
     return loss_fn, seen
 
 
-def _attempt(fn) -> dict:
-    start = time.monotonic()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            result, error = fn(), None
-        except Exception as exc:  # judged by the test process
-            result, error = None, [type(exc).__name__, str(exc)]
-    return {"result": result, "error": error, "warnings": [str(w.message) for w in caught],
-            "seconds": time.monotonic() - start}
-
-
 def _feature_checks(rank: int, world: int, out_dir: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -93,8 +79,8 @@ def _feature_checks(rank: int, world: int, out_dir: str) -> None:
         save(f"nonfinite-{mode}", model)
         return {"skipped": skipped, "counters": engine.counters()}
 
-    report["skip"] = _attempt(lambda: nonfinite("skip"))
-    report["raise"] = _attempt(lambda: nonfinite("raise"))
+    report["skip"] = attempt(lambda: nonfinite("skip"))
+    report["raise"] = attempt(lambda: nonfinite("raise"))
 
     def bf16():
         model, _, _, engine = _ddp_engine(FEAT, precision="bf16")
@@ -114,7 +100,7 @@ def _feature_checks(rank: int, world: int, out_dir: str) -> None:
         save("bf16", model)
         return sorted(dtypes)
 
-    report["bf16"] = _attempt(bf16)
+    report["bf16"] = attempt(bf16)
 
     def scheduled_lr():
         model, _, sched, engine = _ddp_engine(FEAT, scheduler=True)
@@ -125,7 +111,7 @@ def _feature_checks(rank: int, world: int, out_dir: str) -> None:
         save("lr", model)
         return {"lrs": lrs, "scheduler_steps": sched.last_epoch, "steps": engine.optimizer_steps}
 
-    report["lr"] = _attempt(scheduled_lr)
+    report["lr"] = attempt(scheduled_lr)
 
     def prescaled():
         # micro_batch_size known: losses are pre-divided by a full window's count, the boundary scales only when
@@ -144,7 +130,7 @@ def _feature_checks(rank: int, world: int, out_dir: str) -> None:
         save("prescaled", model)
         return coefs
 
-    report["prescaled"] = _attempt(prescaled)
+    report["prescaled"] = attempt(prescaled)
 
     def resume():
         # uninterrupted
@@ -180,19 +166,19 @@ def _feature_checks(rank: int, world: int, out_dir: str) -> None:
         save("resume-continued", model)
         return {"straight": straight, "continued": engine.counters(), "stopped_at": stopped_at}
 
-    report["resume"] = _attempt(resume)
+    report["resume"] = attempt(resume)
 
     def static_graph():
         model = cases.make_model(FEAT)
         AccumulationEngine(DDP(model, static_graph=True), cases.make_optimizer(FEAT, model), 2)
 
-    report["static_graph"] = _attempt(static_graph)
+    report["static_graph"] = attempt(static_graph)
 
     def unwrapped():
         model = cases.make_model(FEAT)
         AccumulationEngine(model, cases.make_optimizer(FEAT, model), 2)
 
-    report["unwrapped"] = _attempt(unwrapped)
+    report["unwrapped"] = attempt(unwrapped)
 
     def short_epoch():
         model, _, _, engine = _ddp_engine(SHORT)
@@ -201,7 +187,7 @@ def _feature_checks(rank: int, world: int, out_dir: str) -> None:
         save("short", model)
         return engine.counters()
 
-    report["short"] = _attempt(short_epoch)
+    report["short"] = attempt(short_epoch)
 
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
@@ -243,7 +229,7 @@ def assert_params(got, ref_model, atol=1e-6):
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("features")
-    spawn_bounded(_feature_checks, 2, 240, str(out))  # a hang fails in 4 minutes, not after gloo's 30
+    spawn(_feature_checks, 2, str(out), deadline_s=240)  # a hang fails in 4 minutes, not after gloo's 30
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -9,53 +9,19 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import tempfile
-import time
-import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import cases
 from accum_sched import AccumulationSchedule
+from distributed import attempt, spawn
 
 DEADLINE_S = 150  # the whole launch, start-up included; a disagreement itself must surface within 60 s
 
 UNEVEN = cases.Case("uneven", {0: 4, 1: 2}, epochs=2, samples=(28, 24))  # rank 0: 7 micro-batches, rank 1: 6
 COUNTED = cases.Case("counted", {0: 1, 1: 4}, epochs=2, samples=(64, 64))  # 16 micro-batches per rank
 MISMATCH = {"factor": ({0: 2}, {0: 3}), "fingerprint": ({0: 2, 3: 4}, {0: 2, 3: 8})}
-
-
-def _entry_without_teardown(rank: int, world: int, init_file: str, fn, args) -> None:
-    """distributed._entry minus the process-group teardown, which on this machine occasionally aborts a process
-    ("terminate called without an active exception") after everything it had to do is done: seen in the
-    benchmark's plain DDP loops too, so not ours. The ranks meet at a barrier, so none leaves while a peer still
-    talks to it, then exit at once."""
-    import torch.distributed as dist
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    fn(rank, world, *args)
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def spawn_bounded(fn, world: int, deadline_s: float, *args) -> None:
-    """Like distributed.spawn, but kill the ranks (ours) and fail if they are still running after ``deadline_s``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        context = mp.start_processes(_entry_without_teardown, args=(world, os.path.join(tmp, "store"), fn, args),
-                                     nprocs=world, join=False, start_method="spawn")
-        start = time.monotonic()
-        while not context.join(timeout=1.0):
-            if time.monotonic() - start > deadline_s:
-                for process in context.processes:
-                    process.kill()
-                raise AssertionError(f"ranks still running after {deadline_s} s: a collective hangs")
 
 
 def _engine(case, rank, world, schedule=None, **kwargs):
@@ -67,20 +33,6 @@ def _engine(case, rank, world, schedule=None, **kwargs):
     optimizer = cases.make_optimizer(case, model)
     engine = AccumulationEngine(DDP(model), optimizer, case.schedule if schedule is None else schedule, **kwargs)
     return model, engine
-
-
-def _attempt(fn) -> dict:
-    """Run ``fn``; return what happened: exception type and message, seconds taken, warnings raised."""
-    start = time.monotonic()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            result = fn()
-            error = None
-        except Exception as exc:  # judged by the test process
-            result, error = None, (type(exc).__name__, str(exc))
-    return {"error": error, "seconds": time.monotonic() - start, "warnings": [str(w.message) for w in caught],
-            "result": result}
 
 
 def _lockstep_checks(rank: int, world: int, out_dir: str) -> None:
@@ -96,7 +48,7 @@ def _lockstep_checks(rank: int, world: int, out_dir: str) -> None:
         def run(specs=specs):
             _, engine = _engine(COUNTED, rank, world, schedule=specs[rank])
             engine.train_epoch(cases.rank_batches(COUNTED, rank, 0), loss_fn, 0)
-        report[name] = _attempt(run)
+        report[name] = attempt(run)
 
     # 2. uneven loaders (7 vs 6 micro-batches): truncate trains 6 on every rank, error raises on every rank
     def truncated():
@@ -106,13 +58,13 @@ def _lockstep_checks(rank: int, world: int, out_dir: str) -> None:
         torch.save(cases.params(model), os.path.join(out_dir, f"truncate-{rank}.pt"))
         return engine.counters()
 
-    report["truncate"] = _attempt(truncated)
+    report["truncate"] = attempt(truncated)
 
     def strict():
         _, engine = _engine(UNEVEN, rank, world, uneven="error")
         engine.train_epoch(cases.rank_batches(UNEVEN, rank, 0), loss_fn, 0)
 
-    report["error"] = _attempt(strict)
+    report["error"] = attempt(strict)
 
     # 3. one rank asks to stop: every rank stops after the same optimizer step
     def stop_one():
@@ -124,7 +76,7 @@ def _lockstep_checks(rank: int, world: int, out_dir: str) -> None:
                 break
         return {"steps": engine.optimizer_steps, "stopped": engine.should_stop}
 
-    report["stop"] = _attempt(stop_one)
+    report["stop"] = attempt(stop_one)
 
     # 4. gradient all-reduce rounds, counted by the same DDP comm hook the engine registers
     def engine_rounds():
@@ -135,7 +87,7 @@ def _lockstep_checks(rank: int, world: int, out_dir: str) -> None:
                 "bytes": engine.backend.allreduce_bytes,
                 "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
-    report["rounds-engine"] = _attempt(engine_rounds)
+    report["rounds-engine"] = attempt(engine_rounds)
 
     def plain_rounds(use_no_sync: bool):
         factor = 4
@@ -157,8 +109,8 @@ def _lockstep_checks(rank: int, world: int, out_dir: str) -> None:
             steps += 1
         return {"steps": steps, "rounds": counter.rounds, "factor": factor}
 
-    report["rounds-every-micro-batch"] = _attempt(lambda: plain_rounds(False))
-    report["rounds-no_sync"] = _attempt(lambda: plain_rounds(True))
+    report["rounds-every-micro-batch"] = attempt(lambda: plain_rounds(False))
+    report["rounds-no_sync"] = attempt(lambda: plain_rounds(True))
 
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
@@ -167,7 +119,7 @@ def _lockstep_checks(rank: int, world: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("lockstep")
-    spawn_bounded(_lockstep_checks, 2, DEADLINE_S, str(out))
+    spawn(_lockstep_checks, 2, str(out), deadline_s=DEADLINE_S)
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
