@@ -28,6 +28,7 @@ class Progress:
         if mode == "auto":
             mode = "bar" if self.stream.isatty() else "plain"
         self.mode, self.epochs, self.total, self.log_every = mode, epochs, total_steps, log_every
+        self._drawn = 0.0  # when the bar was last drawn (time.monotonic)
 
     def step(self, info, effective_batch) -> None:
         if self.mode == "none":
@@ -35,6 +36,10 @@ class Progress:
         text = (f"epoch {info.epoch + 1}/{self.epochs}  step {info.step}/{self.total}  loss {info.loss:.4f}  "
                 f"factor {info.factor}  eff.batch {effective_batch}  lr {info.lr:.3g}")
         if self.mode == "bar":
+            now = time.monotonic()
+            if now - self._drawn < 0.1 and info.step != self.total:
+                return  # at most ten redraws a second: fast steps would spend their time on the terminal
+            self._drawn = now
             done = int(30 * info.step / max(1, self.total))
             self.stream.write(f"\r[{'#' * done}{'.' * (30 - done)}] {text}\x1b[K")
             self.stream.flush()
