@@ -280,6 +280,11 @@ class AccumulationEngine:
             self.backend.backward(loss_sum)
         self.micro_steps += 1
 
+    @property
+    def _averaging(self) -> int:
+        """What the back end's gradient collective divides by: the world size for DDP's mean, else 1."""
+        return self.world_size if self.backend.averages_over_world else 1
+
     def _window_prescale(self, size: int) -> float:
         """Loss multiplier for a window of ``size`` micro-batches: 1/(its global element count, if it is full).
 
@@ -292,8 +297,7 @@ class AccumulationEngine:
         if (self.micro_batch_size is None or self.normalize != "elements"
                 or not getattr(self.backend, "prescale_ok", False)):
             return 1.0
-        averaging = self.world_size if self.backend.averages_over_world else 1
-        return averaging / (self.micro_batch_size * size * self.world_size)
+        return self._averaging / (self.micro_batch_size * size * self.world_size)
 
     def _start_window_stats(self) -> None:
         """Start summing the window's counts, loss and flags over ranks, before its last backward runs.
@@ -339,7 +343,7 @@ class AccumulationEngine:
         elif self._prescale != 1.0:  # already divided by a full window's count; correct for the real one
             coef = (self.micro_batch_size * size * self.world_size) / max(n_total, 1.0)
         else:
-            coef = (self.world_size if self.backend.averages_over_world else 1) / max(n_total, 1.0)
+            coef = self._averaging / max(n_total, 1.0)
         lr_scale = self._lr_scale(factor)
         lr = self.backend.lr() * lr_scale
         grad_norm = float(norm) * coef
