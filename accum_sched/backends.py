@@ -1,9 +1,14 @@
 """How gradients meet: one small interface, one class per back end.
 
 The engine decides *when* a window ends and *by how much* its gradient must be scaled; a back end knows *how* to
-keep non-boundary micro-batches local, how to backward, and how to scale, clip and step. Torch back ends (single
-process and DDP) share :class:`TorchBackend`; the DeepSpeed back end lives in :mod:`accum_sched.deepspeed_backend`
-and is imported only when a DeepSpeed engine is handed in.
+keep non-boundary micro-batches local, how to backward, how the window's numbers are summed over ranks, and how to
+scale, clip and step. Torch back ends (single process and DDP) share :class:`TorchBackend`; the DeepSpeed back end
+lives in :mod:`accum_sched.deepspeed_backend` and is imported only when a DeepSpeed engine is handed in. The rules
+they share (clipping, LR coupling, the fused norm) are in :mod:`accum_sched.step_rules`.
+
+Per window the engine calls ``send_window_stats(stats, want_norm)`` just before the boundary backward and
+``window_totals(want_norm)`` after it; the latter returns device tensors (summed stats, squared gradient norm or
+None) and never waits for the device, so the engine reads everything with one host transfer per optimizer step.
 """
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from accum_sched import collective
+from accum_sched.ddp_hook import HookState, engine_hook
+from accum_sched.step_rules import gradient_scale, scale_gradients, scaled_lr, squared_norm
 
 
 class TorchBackend:
@@ -51,33 +58,36 @@ class TorchBackend:
         loss.backward()
 
     # -- per window ---------------------------------------------------------------------------------------------
+    #: dtype the window's numbers are summed in (see accum_sched.window_stats)
+    stats_dtype = torch.float64
+
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
 
-    def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the (already synchronised, unscaled) accumulated gradient, before normalisation."""
+    def send_window_stats(self, stats: torch.Tensor, want_norm: bool) -> None:
+        """Called just before the window's last backward with this rank's numbers (one process: nothing to sum)."""
+        self._stats = stats
+
+    def _squared_norm(self) -> torch.Tensor:
+        """Squared global L2 norm of the (synchronised, unscaled) accumulated gradient, before normalisation."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        grads = self._grads()
-        if not grads:
-            return torch.zeros((), dtype=torch.float64)
-        return torch.nn.utils.get_total_norm(grads, 2.0).double()
+        return squared_norm(self._grads())
 
-    def step(self, coef: float, max_norm: float | None, norm: float, skip: bool, lr_scale: float = 1.0) -> None:
+    def window_totals(self, want_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """After the last backward: (the window's numbers summed over ranks, squared gradient norm if wanted)."""
+        stats, self._stats = self._stats, None
+        return stats, self._squared_norm() if want_norm else None
+
+    def step(self, coef: float, max_norm: float | None, norm: float | None, skip: bool, lr_scale: float = 1.0) -> None:
         """Scale the window's gradient by ``coef`` (and clip to ``max_norm``), step, advance the LR, clear.
 
         ``lr_scale`` multiplies the learning rate for this step only (LR coupling to the effective batch); it is
         undone before the LR scheduler steps, so schedulers never see it.
         """
         if not skip:
-            scale = coef
-            if max_norm is not None:
-                total = norm * coef
-                scale *= min(1.0, max_norm / (total + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
-            grads = self._grads()
-            if grads and scale != 1.0:
-                torch._foreach_mul_(grads, scale)
-            with _scaled_lr(self.optimizer, lr_scale):
+            scale_gradients(self._grads(), gradient_scale(coef, max_norm, norm))
+            with scaled_lr(self.optimizer, lr_scale):
                 if self.scaler is not None:
                     self.scaler.step(self.optimizer)
                 else:
@@ -100,28 +110,12 @@ class TorchBackend:
         pass
 
 
-@contextlib.contextmanager
-def _scaled_lr(optimizer, scale: float):
-    if scale == 1.0:
-        yield
-        return
-    saved = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = group["lr"] * scale
-    try:
-        yield
-    finally:
-        for group, lr in zip(optimizer.param_groups, saved):
-            group["lr"] = lr
-
-
 class _Counter:
-    """DDP comm-hook state: counts gradient all-reduce rounds and bytes as they are launched."""
+    """State of a counting-only DDP comm hook (benchmarks and tests count hand-written loops with it)."""
 
     def __init__(self):
         self.rounds = 0
         self.bytes = 0
-        self.squared_norms: list[torch.Tensor] = []  # filled by _allreduce_with_norm, one per reduced bucket
 
 
 def _counting_allreduce(state: _Counter, bucket):
@@ -134,24 +128,14 @@ def _counting_allreduce(state: _Counter, bucket):
     return default_hooks.allreduce_hook(None, bucket)
 
 
-def _allreduce_with_norm(state: _Counter, bucket):
-    """_counting_allreduce that also takes the squared L2 norm of each bucket once it is reduced.
-
-    The engine needs the global gradient norm at every boundary (non-finite check, clipping, metrics). Taken here,
-    on the communication thread while the backward still runs, the bucket has just been written and is still in
-    cache; a separate pass over every .grad after the backward cost ~0.5 ms a step for 1M parameters on CPU.
-    """
-    def squared_norm(fut):
-        reduced = fut.value()
-        norm = torch.linalg.vector_norm(reduced, dtype=None if reduced.dtype == torch.float32 else torch.float32)
-        state.squared_norms.append(norm.double() ** 2)  # list.append: safe if buckets finish on two threads
-        return reduced
-
-    return _counting_allreduce(state, bucket).then(squared_norm)
-
-
 class DDPBackend(TorchBackend):
-    """DistributedDataParallel: forward and backward of non-boundary micro-batches run under ``no_sync()``."""
+    """DistributedDataParallel: forward and backward of non-boundary micro-batches run under ``no_sync()``.
+
+    With the engine's comm hook (:mod:`accum_sched.ddp_hook`) the window's numbers and the gradient norm come out of
+    DDP's own gradient all-reduce: no collective of their own. Where the hook cannot be used (the user registered a
+    hook, ``count_allreduce=False``, or low-precision buckets that cannot hold the counts exactly) the numbers take one
+    small all-reduce, started before the last backward so that it overlaps it.
+    """
 
     averages_over_world = True
 
@@ -163,40 +147,56 @@ class DDPBackend(TorchBackend):
                              "first iterations' reduction order and breaks under no_sync() accumulation; "
                              "construct DDP without static_graph (find_unused_parameters=True works)")
         self.world_size = collective.world_size()
-        self._counter = _Counter()
+        self.hook: HookState | None = None
+        self._stats_work = None
+        if count_allreduce:
+            state = HookState(self.world_size)
+            try:
+                model.register_comm_hook(state, engine_hook)
+                self.hook = state
+            except RuntimeError as exc:  # the user registered a hook of their own: keep it, count nothing
+                warnings.warn(f"gradient all-reduce rounds are not counted: {exc}", stacklevel=3)
+        dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+        # counts ride in a bucket only where its dtype holds them exactly (window_stats: fp32 or wider)
+        self._stats_in_bucket = self.hook is not None and dtypes <= {torch.float32, torch.float64}
+        self.stats_dtype = torch.float32 if self._stats_in_bucket else torch.float64
         # The hook's bucket norms cover every DDP parameter; use them only when those are the optimizer's.
         ddp_elements = sum(p.numel() for p in model.parameters() if p.requires_grad)
         opt_elements = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
-        self._norm_in_hook = count_allreduce and scaler is None and ddp_elements == opt_elements
-        if count_allreduce:
-            try:
-                model.register_comm_hook(self._counter,
-                                         _allreduce_with_norm if self._norm_in_hook else _counting_allreduce)
-            except RuntimeError as exc:  # the user registered a hook of their own: keep it, count nothing
-                warnings.warn(f"gradient all-reduce rounds are not counted: {exc}", stacklevel=3)
-                self._counter = None
-                self._norm_in_hook = False
+        self._norm_in_hook = self.hook is not None and scaler is None and ddp_elements == opt_elements
+
+    def send_window_stats(self, stats: torch.Tensor, want_norm: bool) -> None:
+        if self.hook is not None:
+            self.hook.want_norm = want_norm and self._norm_in_hook
+            self.hook.squared_norms = []
+        if self._stats_in_bucket:
+            self.hook.reduced_stats = None
+            self.hook.pending_stats = stats
         else:
-            self._counter = None
+            self._stats = stats
+            self._stats_work = collective.all_sum_async(stats)
 
-    def grad_norm(self) -> torch.Tensor:
-        if self._norm_in_hook and self._counter.squared_norms:
-            squares, self._counter.squared_norms = self._counter.squared_norms, []
-            return torch.stack(squares).sum().sqrt()
-        return super().grad_norm()
-
-    def step(self, coef: float, max_norm: float | None, norm: float, skip: bool, **kwargs) -> None:
-        if self._counter is not None:
-            self._counter.squared_norms = []  # a window whose norm was not asked for leaves none behind
-        super().step(coef, max_norm, norm, skip, **kwargs)
+    def window_totals(self, want_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._stats_in_bucket:
+            stats, self.hook.reduced_stats = self.hook.reduced_stats, None
+            if stats is None:  # the boundary backward reduced nothing (no parameter took part): sum them here
+                stats, self.hook.pending_stats = collective.all_sum(self.hook.pending_stats.double()), None
+        else:
+            if self._stats_work is not None:
+                self._stats_work.wait()
+            stats, self._stats, self._stats_work = self._stats, None, None
+        if not want_norm:
+            return stats, None
+        squared = self.hook.take_norm() if self._norm_in_hook else None
+        return stats, squared if squared is not None else self._squared_norm()
 
     @property
     def allreduce_rounds(self):
-        return None if self._counter is None else self._counter.rounds
+        return None if self.hook is None else self.hook.rounds
 
     @property
     def allreduce_bytes(self):
-        return None if self._counter is None else self._counter.bytes
+        return None if self.hook is None else self.hook.bytes
 
     def sync_context(self, boundary: bool):
         return contextlib.nullcontext() if boundary else self.model.no_sync()

@@ -10,10 +10,14 @@ How a window runs (DeepSpeed's managed mode, boundary set by us):
   global micro-step counter is rarely a multiple of the new factor).
 * at the boundary the reduced gradient sits in the storage DeepSpeed's optimizer will consume at ``step()``: the
   parameters' ``.grad`` (no ZeRO), the fp32 accumulation buffer (BF16_Optimizer), or this rank's partition
-  (``averaged_gradients`` of ZeRO 1/2/3). We take the global norm of that storage (one all-reduce of one number when
-  it is partitioned), multiply it in place by the engine's coefficient (times torch's clipping factor), and call
-  ``step()``, which runs DeepSpeed's optimizer, LR scheduler and counters. Scaling a partition is exact: the full
-  gradient is the concatenation of the partitions, so scaling each one scales the whole.
+  (``averaged_gradients`` of ZeRO 1/2/3). When the norm is wanted (clipping, logging, non-finite check) we take it
+  over that storage in one fused pass, multiply the storage in place by the engine's coefficient (times torch's
+  clipping factor), and call ``step()``, which runs DeepSpeed's optimizer, LR scheduler and counters. Scaling a
+  partition is exact: the full gradient is the concatenation of the partitions, so scaling each one scales the whole.
+* the window's numbers (counts, loss, flags) cannot ride in DeepSpeed's own gradient reduction, so they take one
+  small all-reduce per step: started before the last backward so that it overlaps it, or, when a partitioned norm
+  must be summed too (ZeRO 1-3 with the norm wanted), after the backward, together with the partition's squared norm
+  in the same all-reduce. Either way one small collective per optimizer step, never two.
 * a skipped step (non-finite gradient, empty window) runs ``step()`` with the inner torch optimizer's ``step``
   replaced by a no-op: DeepSpeed clears its buffers and advances its counters, the weights do not move.
 
@@ -31,9 +35,9 @@ import os
 import warnings
 
 import torch
-import torch.distributed as dist
 
 from accum_sched import collective
+from accum_sched.step_rules import gradient_scale, scale_gradients, squared_norm
 
 
 def ensure_torch_extensions_dir() -> str:
@@ -105,6 +109,11 @@ class DeepSpeedBackend:
         self.averages_over_world = bool(getattr(ds_engine, "gradient_average", True))
         self._boundary = True
         self._window_samples: int | None = None
+        check_internals(ds_engine)
+        self._shapes_checked = False
+        self._partitioned = isinstance(opt, _optimizer_classes()[:2])
+        self._stats: torch.Tensor | None = None
+        self._stats_work = None
 
     # -- counters (DeepSpeed launches its own collectives; they are not counted here) ---------------------------
     @property
@@ -147,19 +156,41 @@ class DeepSpeedBackend:
         scale = getattr(self.ds.optimizer, "loss_scale", None)
         return 1.0 if scale is None else float(scale)
 
-    def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the reduced, accumulated, un-normalised gradient (the same on every rank)."""
+    stats_dtype = torch.float64
+
+    def send_window_stats(self, stats: torch.Tensor, want_norm: bool) -> None:
+        """Start summing the window's numbers before the last backward, unless they will be folded with the
+        partition norm after it (one small all-reduce per step either way)."""
+        self._stats = stats.to(collective.comm_device())
+        self._stats_work = None
+        if not (want_norm and self._partitioned):
+            self._stats_work = collective.all_sum_async(self._stats)
+
+    def window_totals(self, want_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(summed window numbers, squared global norm of the reduced, un-normalised gradient if wanted)."""
+        stats, self._stats = self._stats, None
+        if not want_norm:
+            if self._stats_work is not None:
+                self._stats_work.wait()
+            return stats, None
         tensors, partitioned = self._grad_storage()
-        device = collective.comm_device()
-        squares = torch.zeros((), dtype=torch.float64, device=device)
-        for t in tensors:
-            # an fp32 (or native) norm per tensor, squared and summed in float64: a float64 norm over the whole
-            # tensor is ~30x slower on CPU and the per-tensor fp32 rounding (~1e-7 relative) is far below any tolerance
-            norm = torch.linalg.vector_norm(t, dtype=None if t.dtype == torch.float32 else torch.float32)
-            squares += norm.double().to(device) ** 2
+        self._check_shapes(tensors)
+        squared = squared_norm(tensors, stats.device)
+        scale = self._loss_scale()
+        if scale != 1.0:
+            squared = squared / scale ** 2
         if partitioned and collective.is_distributed():
-            dist.all_reduce(squares)  # partitions are disjoint: squares add up to the full gradient's
-        return squares.sqrt() / self._loss_scale()
+            # partitions are disjoint: their squares add up to the full gradient's; summed with the stats
+            both = collective.all_sum(torch.cat([stats, squared.reshape(1)]))
+            return both[:-1], both[-1]
+        if self._stats_work is not None:
+            self._stats_work.wait()
+        return stats, squared
+
+    def _check_shapes(self, tensors: list[torch.Tensor]) -> None:
+        if not self._shapes_checked:
+            check_storage_shapes(self.ds.optimizer, tensors)
+            self._shapes_checked = True
 
     def on_window(self, factor: int, micro_batches: int, samples: int) -> None:
         """Called by the engine before :meth:`step`: keep DeepSpeed's batch bookkeeping true for this window."""
@@ -168,7 +199,7 @@ class DeepSpeedBackend:
             self.ds.set_train_batch_size(micro * factor * self.world_size)
         self._window_samples = int(samples)
 
-    def step(self, coef: float, max_norm: float | None, norm: float, skip: bool, lr_scale: float = 1.0) -> None:
+    def step(self, coef: float, max_norm: float | None, norm: float | None, skip: bool, lr_scale: float = 1.0) -> None:
         """Scale the partitions by ``coef`` (and torch's clipping factor), then let DeepSpeed step.
 
         ``lr_scale`` multiplies the learning rate of this update only (LR coupling); DeepSpeed's scheduler, which
@@ -176,13 +207,11 @@ class DeepSpeedBackend:
         """
         samples_before = self.ds.global_samples
         if not skip:
-            scale = coef
-            if max_norm is not None:
-                total = norm * coef
-                scale *= min(1.0, max_norm / (total + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
-            tensors, _ = self._grad_storage()
-            if tensors and scale != 1.0:
-                torch._foreach_mul_(tensors, scale)
+            scale = gradient_scale(coef, max_norm, norm)
+            if scale != 1.0:
+                tensors, _ = self._grad_storage()
+                self._check_shapes(tensors)
+                scale_gradients(tensors, scale)
         inner = getattr(self.ds, "basic_optimizer", None) or self.ds.optimizer  # the torch optimizer DeepSpeed wraps
         with _inner_step(inner, skip=skip, lr_scale=lr_scale):
             self.ds.step()
@@ -207,6 +236,67 @@ class DeepSpeedBackend:
 
 
 _MISSING = object()
+SUPPORTED = "0.19.x"  # the DeepSpeed versions whose internals check_internals() describes
+
+
+class DeepSpeedInternalsChanged(RuntimeError):
+    """DeepSpeed's internals differ from what this back end reads and writes: it would scale gradients wrongly."""
+
+
+def _internals_error(what: str) -> DeepSpeedInternalsChanged:
+    try:
+        import deepspeed
+
+        version = deepspeed.__version__
+    except Exception:  # noqa: BLE001 - the message must still come out
+        version = "(version unknown)"
+    return DeepSpeedInternalsChanged(f"DeepSpeed {version}: {what}; accum_sched's DeepSpeed back end relies on the "
+                                     f"internals of DeepSpeed {SUPPORTED} and would train wrong: install "
+                                     f"deepspeed>=0.19.8,<0.20")
+
+
+def check_internals(ds_engine) -> None:
+    """Stop at set-up, with a one-line error naming DeepSpeed's version, if an internal this back end reads or writes
+    is missing or of another kind: engine methods and counters, the optimizer wrapper class, its gradient storage."""
+    for name in ("set_gradient_accumulation_boundary", "managed_gradient_accumulation", "gradient_accumulation_steps",
+                 "set_train_batch_size", "train_micro_batch_size_per_gpu", "get_lr", "step", "backward"):
+        if not callable(getattr(ds_engine, name, None)):
+            raise _internals_error(f"DeepSpeedEngine.{name}() is missing")
+    if not isinstance(getattr(ds_engine, "global_samples", None), int):
+        raise _internals_error("DeepSpeedEngine.global_samples is not an int counter")
+    zero12, zero3, bf16_opt, fp16_opt = _optimizer_classes()
+    opt = ds_engine.optimizer
+    expected = {zero12: ("averaged_gradients", dict), zero3: ("averaged_gradients", dict),
+                bf16_opt: ("fp32_groups_gradients_flat", list), fp16_opt: ("fp16_groups", list)}
+    for cls, (attr, kind) in expected.items():
+        if isinstance(opt, cls):
+            if not isinstance(getattr(opt, attr, None), kind):
+                raise _internals_error(f"{type(opt).__name__}.{attr} is not a {kind.__name__}")
+            return
+    if ds_engine.zero_optimization() or not isinstance(opt, torch.optim.Optimizer):
+        raise _internals_error(f"the optimizer wrapper {type(opt).__name__} is not one this back end knows "
+                               f"(DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, BF16_Optimizer, "
+                               f"FP16_Optimizer or a plain torch optimizer without ZeRO)")
+
+
+def check_storage_shapes(opt, tensors: list[torch.Tensor]) -> None:
+    """At the first boundary: the gradient storage holds exactly as many elements as the optimizer's (partition of
+    the) fp32 master weights, so scaling it scales the whole gradient once."""
+    zero12, zero3, bf16_opt, _ = _optimizer_classes()
+    if isinstance(opt, zero12):
+        master, what = getattr(opt, "single_partition_of_fp32_groups", None), "single_partition_of_fp32_groups"
+    elif isinstance(opt, zero3):
+        master, what = getattr(opt, "fp32_partitioned_groups_flat", None), "fp32_partitioned_groups_flat"
+    elif isinstance(opt, bf16_opt):
+        master, what = getattr(opt, "bf16_groups_flat", None), "bf16_groups_flat"
+    else:
+        return
+    if master is None:
+        raise _internals_error(f"{type(opt).__name__}.{what} is missing")
+    have, want = sum(t.numel() for t in tensors), sum(t.numel() for t in master)
+    if have != want:
+        raise _internals_error(f"{type(opt).__name__}'s gradient storage holds {have} elements where {what} holds "
+                               f"{want}")
 
 
 @contextlib.contextmanager

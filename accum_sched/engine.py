@@ -10,11 +10,12 @@ Use from any loop::
                 loss_sum, n = loss_fn(ddp_model, batch)   # sum of element losses, number of elements
             engine.backward(loss_sum, n)
 
-Rules (see DESIGN.md): windows start at each epoch start; the last window of an epoch may be partial and is stepped
-at the epoch end, never carried over. The optimizer sees the gradient of the mean loss over every element of the
-window on every rank, i.e. exactly one large batch. All ranks agree by collective on the factor, the schedule and the
-number of micro-batches at every epoch start, and on counts, non-finite and stop flags at every window end (one
-all-reduce of five numbers: the only collective per step besides DDP's gradient all-reduce).
+Rules: windows start at each epoch start; the last window of an epoch may be partial and is stepped at the epoch
+end, never carried over. The optimizer sees the gradient of the mean loss over every element of the window on every
+rank, i.e. exactly one large batch. All ranks agree by collective on the factor, the schedule and the number of
+micro-batches at every epoch start. At every window end they sum counts, loss and the non-finite and stop flags;
+under DDP those numbers ride inside the gradient all-reduce (no collective of their own), and the host reads them,
+with the gradient norm, in one transfer: the only host sync per optimizer step, none per micro-batch.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from accum_sched import collective
+from accum_sched import collective, window_stats
 from accum_sched.backends import make_backend
 from accum_sched.schedule import AccumulationSchedule, Position
 
@@ -52,7 +53,7 @@ class StepInfo:
     samples: int  # samples in this window over all ranks
     loss: float  # mean loss per element over the window, all ranks
     lr: float  # learning rate used by this step
-    grad_norm: float  # global norm of the normalised gradient, before clipping
+    grad_norm: float | None  # global norm of the normalised gradient, before clipping; None where not measured
     skipped: bool  # non-finite loss/gradient: the optimizer did not step
 
     def to_dict(self) -> dict:
@@ -95,17 +96,24 @@ class AccumulationEngine:
         lr_coupling: scale the learning rate with the effective batch when the factor changes: ``"none"``
             (default), ``"linear"`` (LR x factor / first factor) or ``"sqrt"`` (LR x sqrt of that ratio). Applied
             to each optimizer step on top of the LR scheduler, which never sees it.
+        norm_every: measure the global gradient norm (``StepInfo.grad_norm``, and with it the check for a non-finite
+            gradient) every this many optimizer steps; None: never. Clipping measures it at every step whatever this
+            says, and a non-finite *loss* is caught at every step (it travels with the counts, at no cost). Under
+            DDP the norm is taken in the comm hook as each bucket arrives; elsewhere it is one fused pass over the
+            gradients. Default 1 (every step); the launcher passes ``logging.log_every``.
     """
 
     def __init__(self, model, optimizer=None, schedule=1, *, lr_scheduler=None, max_grad_norm: float | None = None,
                  normalize: str = "elements", uneven: str = "truncate", nonfinite: str = "skip",
                  precision: str = "fp32", micro_batch_size: int | None = None, count_allreduce: bool = True,
-                 lr_coupling: str = "none"):
+                 lr_coupling: str = "none", norm_every: int | None = 1):
         for name, value, allowed in (("normalize", normalize, NORMALIZE), ("uneven", uneven, UNEVEN),
                                      ("nonfinite", nonfinite, NONFINITE), ("precision", precision, PRECISION),
                                      ("lr_coupling", lr_coupling, LR_COUPLING)):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+        if norm_every is not None and not (isinstance(norm_every, int) and norm_every >= 1):
+            raise ValueError(f"norm_every={norm_every!r} must be an int >= 1, or None to measure only when clipping")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm!r} must be > 0, or None for no clipping")
         self.schedule = AccumulationSchedule(schedule)
@@ -115,6 +123,7 @@ class AccumulationEngine:
         self.precision = precision
         self.lr_coupling = lr_coupling
         self.micro_batch_size = micro_batch_size
+        self.norm_every = norm_every
         scaler = None
         if precision == "fp16":
             if not torch.cuda.is_available():
@@ -140,13 +149,12 @@ class AccumulationEngine:
 
         # the open window
         self._expect_backward = False
-        self._win_loss: torch.Tensor | None = None
-        self._win_n: torch.Tensor | None = None
+        self._win_loss: torch.Tensor | None = None  # float64 sum of the window's losses, on the loss's device
+        self._win_n: int | torch.Tensor | None = None  # element count: an int, or a tensor if the loss gave one
         self._win_samples = 0
         self._boundary = False  # the micro-batch handed out last ends its window
         self._prescale = 1.0  # loss multiplier of the open window (see _window_prescale)
-        self._stats: torch.Tensor | None = None  # the window's counts and flags, summed over ranks ...
-        self._stats_work = None  # ... by an all-reduce started before the window's last backward
+        self._want_norm = False  # whether the open window's gradient norm is measured
 
     # -- public counters ----------------------------------------------------------------------------------------
     @property
@@ -266,14 +274,15 @@ class AccumulationEngine:
         if not self._expect_backward:
             raise RuntimeError("engine.backward() must be called once per micro-batch from engine.micro_batches()")
         self._expect_backward = False
-        n = torch.as_tensor(n_elements, dtype=torch.float64).detach().reshape(())
-        loss_value = loss_sum.detach().double().reshape(())
+        n = n_elements.detach() if isinstance(n_elements, torch.Tensor) else n_elements
+        # kept where they are (a device tensor stays on the device): nothing here waits for the device
+        loss_value = loss_sum.detach().to(torch.float64)
         self._win_loss = loss_value if self._win_loss is None else self._win_loss + loss_value
-        self._win_n = n if self._win_n is None else self._win_n + n.to(self._win_n.device)
+        self._win_n = n if self._win_n is None else self._win_n + n
         if self._boundary:
-            self._start_window_stats()
+            self._send_window_stats(loss_sum.device)
         if self.normalize == "micro_batches":
-            self.backend.backward(loss_sum / n.to(loss_sum.device, loss_sum.dtype))
+            self.backend.backward(loss_sum / n)
         elif self._prescale != 1.0:
             self.backend.backward(loss_sum * self._prescale)
         else:
@@ -299,22 +308,15 @@ class AccumulationEngine:
             return 1.0
         return self._averaging / (self.micro_batch_size * size * self.world_size)
 
-    def _start_window_stats(self) -> None:
-        """Start summing the window's counts, loss and flags over ranks, before its last backward runs.
-
-        The all-reduce then overlaps that backward and DDP's gradient all-reduce instead of adding a blocking
-        round trip at every boundary (measured: ~2 ms of a 14 ms step of a 1M-parameter model on 2 CPU ranks).
-        Every rank starts it at the same point, before the same gradient collectives, so the order agrees.
-        """
-        device = collective.comm_device()
-        loss = self._win_loss.to(device)
-        self._stats = torch.stack([
-            self._win_n.to(device), loss,
-            torch.tensor(float(self._win_samples), dtype=torch.float64, device=device),
-            (~torch.isfinite(loss)).double(),
-            torch.tensor(float(self._stop_requested), dtype=torch.float64, device=device),
-        ])
-        self._stats_work = collective.all_sum_async(self._stats)
+    def _send_window_stats(self, device: torch.device) -> None:
+        """Hand the window's numbers to the back end before its last backward: the loss and element count of the
+        last micro-batch are known before its backward, so they can travel inside that backward's gradient
+        all-reduce (DDP) or in an all-reduce that overlaps it."""
+        self._want_norm = self.max_grad_norm is not None or (
+            self.norm_every is not None and (self.optimizer_steps + 1) % self.norm_every == 0)
+        stats = window_stats.encode(self._win_n, self._win_samples, self._win_loss.to(device), self._stop_requested,
+                                    self.backend.stats_dtype)
+        self.backend.send_window_stats(stats, self._want_norm)
 
     def train_epoch(self, loader: Iterable, loss_fn: Callable, epoch: int | None = None) -> None:
         """Run one epoch: ``loss_fn(model, batch) -> (loss_sum, n_elements)`` on every micro-batch."""
@@ -324,53 +326,72 @@ class AccumulationEngine:
             self.backward(loss_sum, n)
 
     def _finish_window(self, epoch: int, factor: int, size: int) -> None:
-        norm = self.backend.grad_norm()
-        # The one collective per step besides the gradient all-reduce (counts, loss, flags) was started before
-        # the last backward; by now it has normally completed.
-        if self._stats_work is not None:
-            self._stats_work.wait()
-        n_total, loss_total, samples, nonfinite, stop = self._stats.tolist()
-        # grad_norm() is global, computed from the gradient every rank holds after its all-reduce, so each rank
-        # reaches the same verdict on its finiteness without another collective.
-        nonfinite += not math.isfinite(float(norm))
-        n_total_int = int(round(n_total))
-        skip = nonfinite > 0 or n_total_int == 0
-        if nonfinite > 0 and self.nonfinite == "raise":
+        totals = self._read_totals()
+        skip = self._check_finite(totals, epoch)
+        coef = self._coefficient(size, totals.elements)
+        info = self._step(epoch, factor, size, totals, coef, skip)
+        self._advance(totals, skip)
+        self._report(info)
+
+    def _read_totals(self) -> window_stats.WindowTotals:
+        """The window's numbers summed over ranks and its gradient norm: the one host transfer of the step."""
+        stats, squared_norm = self.backend.window_totals(self._want_norm)
+        values = stats.reshape(-1)
+        if squared_norm is not None:
+            values = torch.cat([values.to(torch.float64), squared_norm.reshape(1).to(values.device, torch.float64)])
+        return window_stats.decode(values.tolist())  # the host sync of this optimizer step
+
+    def _check_finite(self, totals: window_stats.WindowTotals, epoch: int) -> bool:
+        """Whether to skip the step; raises under nonfinite='raise'. Every rank holds the same summed numbers and
+        the same reduced gradient, so every rank reaches the same verdict without another collective."""
+        nonfinite = totals.nonfinite or (totals.grad_norm is not None and not math.isfinite(totals.grad_norm))
+        if nonfinite and self.nonfinite == "raise":
             raise FloatingPointError(f"non-finite loss or gradient at epoch {epoch}, step {self.optimizer_steps + 1} "
                                      f"(nonfinite='raise'; use nonfinite='skip' to skip such steps)")
+        skip = nonfinite or totals.elements == 0
+        if skip and collective.rank() == 0:
+            log.warning("step %d skipped: %s", self.optimizer_steps + 1,
+                        "no elements in the window" if totals.elements == 0 else "non-finite loss or gradient")
+        return skip
+
+    def _coefficient(self, size: int, elements: int) -> float:
+        """What the window's gradient, as the collective left it, must be multiplied by to be the large-batch mean."""
         if self.normalize == "micro_batches":
-            coef = 1.0 / size
-        elif self._prescale != 1.0:  # already divided by a full window's count; correct for the real one
-            coef = (self.micro_batch_size * size * self.world_size) / max(n_total, 1.0)
-        else:
-            coef = self._averaging / max(n_total, 1.0)
+            return 1.0 / size
+        if self._prescale != 1.0:  # already divided by a full window's count; correct for the real one
+            return (self.micro_batch_size * size * self.world_size) / max(elements, 1)
+        return self._averaging / max(elements, 1)
+
+    def _step(self, epoch: int, factor: int, size: int, totals: window_stats.WindowTotals, coef: float,
+              skip: bool) -> StepInfo:
+        """Let the back end scale, clip and step; returns what this step was."""
         lr_scale = self._lr_scale(factor)
         lr = self.backend.lr() * lr_scale
-        grad_norm = float(norm) * coef
         on_window = getattr(self.backend, "on_window", None)
         if on_window is not None:  # a back end with its own batch bookkeeping (DeepSpeed's GAS, global_samples)
-            on_window(factor, size, int(round(samples)))
+            on_window(factor, size, totals.samples)
         if lr_scale == 1.0:
-            self.backend.step(coef, self.max_grad_norm, float(norm), skip)
+            self.backend.step(coef, self.max_grad_norm, totals.grad_norm, skip)
         else:
-            self.backend.step(coef, self.max_grad_norm, float(norm), skip, lr_scale=lr_scale)
+            self.backend.step(coef, self.max_grad_norm, totals.grad_norm, skip, lr_scale=lr_scale)
+        elements = totals.elements
+        return StepInfo(epoch=epoch, step=self.optimizer_steps + 1, factor=factor, micro_batches=size,
+                        elements=elements, samples=totals.samples,
+                        loss=totals.loss / elements if elements else float("nan"), lr=lr,
+                        grad_norm=None if totals.grad_norm is None else totals.grad_norm * coef, skipped=skip)
 
+    def _advance(self, totals: window_stats.WindowTotals, skip: bool) -> None:
+        """Counters move on and the window closes."""
         self.optimizer_steps += 1
         self.skipped_steps += int(skip)
-        self.elements += n_total_int
-        self.samples += int(round(samples))
-        self.should_stop = stop > 0
+        self.elements += totals.elements
+        self.samples += totals.samples
+        self.should_stop = totals.stop
         self._win_loss = self._win_n = None
         self._win_samples = 0
-        self._stats = self._stats_work = None
-        info = StepInfo(epoch=epoch, step=self.optimizer_steps, factor=factor, micro_batches=size,
-                        elements=n_total_int, samples=int(round(samples)),
-                        loss=loss_total / n_total if n_total else float("nan"), lr=lr,
-                        grad_norm=grad_norm, skipped=skip)
+
+    def _report(self, info: StepInfo) -> None:
         self.last_step = info
-        if skip and collective.rank() == 0:
-            log.warning("step %d skipped: %s", self.optimizer_steps,
-                        "no elements in the window" if n_total_int == 0 else "non-finite loss or gradient")
         for callback in self.callbacks:
             callback(info)
 

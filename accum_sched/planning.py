@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence, Union
 
+from accum_sched.position import Position, per_epoch
+
 PerMicroStep = Union[int, Callable[[int, int], int], None]
 
 
@@ -24,16 +26,14 @@ def _per_step(value: PerMicroStep, what: str) -> Callable[[int, int], int]:
 def simulate_windows(schedule, batches_per_epoch: int | Sequence[int], epochs: int,
                      samples_per_micro_step: PerMicroStep = None, tokens_per_micro_step: PerMicroStep = None):
     """Yield ``(epoch, factor, micro_batches)`` for every window the engine would form."""
-    from accum_sched.schedule import Position, _per_epoch
-
-    per_epoch = _per_epoch(batches_per_epoch, epochs)
+    epochs_batches = per_epoch(batches_per_epoch, epochs)
     samples_of = tokens_of = None
     if schedule.unit == "samples":
         samples_of = _per_step(samples_per_micro_step, "samples")
     if schedule.unit == "tokens":
         tokens_of = _per_step(tokens_per_micro_step, "tokens")
     steps = samples = tokens = 0
-    for epoch, batches in enumerate(per_epoch):
+    for epoch, batches in enumerate(epochs_batches):
         index = 0
         while index < batches:
             factor = schedule.factor_for(Position(epoch=epoch, step=steps, samples=samples, tokens=tokens))

@@ -12,21 +12,13 @@ from __future__ import annotations
 import bisect
 import math
 import zlib
-from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
+
+from accum_sched.planning import simulate_steps
+from accum_sched.position import Position, per_epoch as _per_epoch
 
 UNITS = ("epoch", "step", "samples", "tokens")
 _SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
-
-
-@dataclass(frozen=True)
-class Position:
-    """The counters a window's factor may depend on, all global (identical on every rank) at a window start."""
-
-    epoch: int = 0
-    step: int = 0
-    samples: int = 0
-    tokens: int = 0
 
 
 def _is_int(value) -> bool:
@@ -226,8 +218,6 @@ class AccumulationSchedule:
         function ``(epoch, index) -> int``).
         """
         if self.unit != "epoch":
-            from accum_sched.planning import simulate_steps
-
             return simulate_steps(self, batches_per_epoch, epochs, **per_micro_step)
         per_epoch = _per_epoch(batches_per_epoch, epochs)
         return sum(math.ceil(n / self.factor(e)) for e, n in enumerate(per_epoch))
@@ -288,16 +278,3 @@ class AccumulationSchedule:
         body = ", ".join(f"{k}: {f}" for k, f in self.milestones)
         unit = "" if self.unit == "epoch" else f", unit={self.unit!r}"
         return f"AccumulationSchedule({{{body}}}{unit})"
-
-
-def _per_epoch(batches_per_epoch: int | Iterable[int], epochs: int) -> list[int]:
-    if _is_int(batches_per_epoch):
-        if batches_per_epoch < 0:
-            raise ValueError(f"batches_per_epoch must be >= 0, got {batches_per_epoch}")
-        return [batches_per_epoch] * epochs
-    per_epoch = list(batches_per_epoch)
-    if len(per_epoch) != epochs:
-        raise ValueError(f"batches_per_epoch has {len(per_epoch)} entries for {epochs} epochs; give one per epoch")
-    if any(not _is_int(n) or n < 0 for n in per_epoch):
-        raise ValueError("batches_per_epoch entries must be integers >= 0")
-    return per_epoch

@@ -244,6 +244,9 @@ def deepspeed_config(cfg, world_size: int, client_optimizer: bool) -> dict:
     if cfg.optimizer.max_grad_norm is not None or not ds.get("gradient_clipping"):
         ds["gradient_clipping"] = 0.0  # the engine clips (optimizer.max_grad_norm), or nobody does
     ds.setdefault("steps_per_print", 2**31 - 1)  # progress and metrics.jsonl report steps; keep DeepSpeed quiet
+    # DeepSpeed's throughput timer is on by default and synchronises the device at every forward and every ds.step()
+    # (twice per micro-batch here); metrics.jsonl times steps already. Left on only when the user's JSON asks.
+    ds.setdefault("timers", {"throughput": {"enabled": False}})
     if client_optimizer and ds.get("zero_optimization", {}).get("stage", 0):
         ds.setdefault("zero_allow_untested_optimizer", True)  # torch SGD: exact under ZeRO (tests/test_deepspeed.py)
     return ds

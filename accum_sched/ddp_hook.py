@@ -1,0 +1,81 @@
+"""The engine's DDP comm hook: DDP's mean all-reduce of each bucket, plus what the engine needs from that round.
+
+* counts: gradient all-reduce rounds and bytes, as they are launched;
+* the window's numbers (:mod:`accum_sched.window_stats`) ride at the end of one bucket of the boundary backward, so
+  summing them over ranks costs no collective of its own. DDP reads each gradient from its offset in the tensor the
+  hook's future returns, so the extra tail is simply ignored by DDP. The carrier is the smallest bucket of the
+  previous round (copying it with the tail appended is the only extra work), or the last bucket if that one never
+  came; every rank makes the same choice because DDP gives every rank the same buckets;
+* the squared norm of each reduced bucket, when the engine asked for the norm of this window, taken in the future's
+  callback while the backward still runs, with the bucket still in cache;
+* callbacks per bucket, before and after its reduction (``before_reduce(index, local_buffer)``,
+  ``after_reduce(index, reduced_gradient)``), for measurements that want the gradient as it passes (for example a
+  local norm before the all-reduce). They run on the communication thread and must not wait for the device.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+BucketCallback = Callable[[int, torch.Tensor], None]
+
+
+class HookState:
+    """What the engine's comm hook reads and writes; one per DDP module."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.rounds = 0
+        self.bytes = 0
+        self.before_reduce: list[BucketCallback] = []
+        self.after_reduce: list[BucketCallback] = []
+        self.want_norm = False  # take the squared norm of each reduced bucket in this round
+        self.squared_norms: list[torch.Tensor] = []
+        self.pending_stats: torch.Tensor | None = None  # set before the boundary backward, appended to one bucket
+        self.reduced_stats: torch.Tensor | None = None  # ... and summed over ranks by the end of that backward
+        self._sizes: dict[int, int] = {}
+        self._carrier = 0  # bucket index that carries the stats (the smallest of the previous round)
+
+    def take_norm(self) -> torch.Tensor | None:
+        """The squared norm of the last reduced gradient (float64, on the device), or None if it was not taken."""
+        squares, self.squared_norms = self.squared_norms, []
+        return torch.stack(squares).sum() if squares else None
+
+
+def engine_hook(state: HookState, bucket):
+    buf = bucket.buffer()
+    index, last = bucket.index(), bucket.is_last()
+    state.bytes += buf.numel() * buf.element_size()
+    state._sizes[index] = buf.numel()
+    if last:  # one backward = one round, however many buckets it takes
+        state.rounds += 1
+    for callback in state.before_reduce:
+        callback(index, buf)
+    buf.div_(state.world_size)  # DDP's mean, as its default hook does
+    n = buf.numel()
+    carry = state.pending_stats is not None and (index == state._carrier or last)
+    if carry:
+        flat = torch.cat([buf, state.pending_stats.to(buf.device, buf.dtype)])
+        state.pending_stats = None
+    else:
+        flat = buf
+    if last:
+        state._carrier = min(state._sizes, key=state._sizes.get)
+        state._sizes = {}
+    want_norm, after = state.want_norm, state.after_reduce
+
+    def reduced(fut):
+        out = fut.value()[0]
+        grads = out[:n] if carry else out
+        if carry:
+            state.reduced_stats = out[n:]
+        if want_norm:
+            norm = torch.linalg.vector_norm(grads, dtype=None if grads.dtype == torch.float32 else torch.float32)
+            state.squared_norms.append(norm.double() ** 2)  # list.append: safe if buckets finish on two threads
+        for callback in after:
+            callback(index, grads)
+        return out
+
+    return dist.all_reduce(flat, async_op=True).get_future().then(reduced)

@@ -1,0 +1,77 @@
+"""The numbers ranks sum at each window end (element and sample counts, loss, flags), packed into one small vector.
+
+The vector travels inside a gradient bucket when it can (DDP: see :mod:`accum_sched.ddp_hook`), so it is summed in
+the bucket's dtype, usually fp32. fp32 holds integers exactly only up to 2**24, so each count is split into three
+base-4096 digits: a digit is < 4096 on every rank, the sum of one digit over up to 4096 ranks stays < 2**24, and
+the sums are exact in any summation order. Counts up to 2**36 per rank and window are exact.
+
+Building the vector never waits for the device: host numbers go up through one pinned, non-blocking copy (CUDA) and
+device numbers (a loss, an element count that is a tensor) are used where they are.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DIGIT = 4096
+SIZE = 9  # elements (3 digits), samples (3 digits), stop flag, loss sum, non-finite flag
+
+
+def _digits(value: int) -> list[float]:
+    value = int(value)
+    if not 0 <= value < DIGIT ** 3:
+        raise ValueError(f"a window count of {value} is out of range (0 .. {DIGIT ** 3 - 1})")
+    return [float(value // DIGIT ** 2), float(value // DIGIT % DIGIT), float(value % DIGIT)]
+
+
+def _tensor_digits(value: torch.Tensor) -> torch.Tensor:
+    n = value.detach().reshape(()).round().to(torch.int64)
+    return torch.stack([n // DIGIT ** 2, n // DIGIT % DIGIT, n % DIGIT])
+
+
+def _host_vector(values: list[float], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    # pinned + non_blocking: the copy is queued, the host does not wait (a pageable copy would block)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def encode(elements, samples: int, loss: torch.Tensor, stop: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The local vector of one window, on ``loss``'s device, in ``dtype``.
+
+    ``elements`` is an int or an integer-valued tensor (the sum of the loss functions' element counts), ``loss`` the
+    float64 sum of the window's losses on this rank.
+    """
+    device = loss.device
+    loss = loss.detach().reshape(1).to(torch.float64)
+    tail = torch.cat([loss, (~torch.isfinite(loss)).to(torch.float64)]).to(dtype)
+    if isinstance(elements, torch.Tensor):
+        head = torch.cat([_tensor_digits(elements).to(device, dtype),
+                          _host_vector(_digits(samples) + [float(stop)], device, dtype)])
+    else:
+        head = _host_vector(_digits(elements) + _digits(samples) + [float(stop)], device, dtype)
+    return torch.cat([head, tail])
+
+
+@dataclass(frozen=True)
+class WindowTotals:
+    """A window's numbers summed over ranks (read on the host once per optimizer step)."""
+
+    elements: int
+    samples: int
+    stop: bool
+    loss: float  # sum over ranks of the window's losses
+    nonfinite: bool  # a rank's loss was NaN or infinite (the gradient's own check is the norm)
+    grad_norm: float | None  # global norm of the accumulated gradient before normalisation, if it was taken
+
+
+def decode(values: list[float]) -> WindowTotals:
+    """Read :func:`encode`'s layout summed over ranks, plus an optional squared gradient norm appended after it."""
+    def count(i):
+        return int(round(values[i])) * DIGIT ** 2 + int(round(values[i + 1])) * DIGIT + int(round(values[i + 2]))
+
+    squared = values[SIZE] if len(values) > SIZE else None
+    return WindowTotals(elements=count(0), samples=count(3), stop=values[6] > 0, loss=values[7],
+                        nonfinite=values[8] > 0 or values[7] != values[7] or abs(values[7]) == float("inf"),
+                        grad_norm=None if squared is None else squared ** 0.5)
