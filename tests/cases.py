@@ -26,7 +26,8 @@ class Case:
     micro: int = 4
     optimizer: str = "sgd"
     clip: float | None = None
-    kind: str = "regression"  # or "tokens" (variable length, padding excluded) or "unused" (unused parameters)
+    kind: str = "regression"  # or "tokens" (variable length, padding excluded), "unused" (unused parameters),
+    # "layers" (a deeper regression MLP: several DDP buckets)
     lr: float = 0.05
     extra: dict = field(default_factory=dict)
 
@@ -81,6 +82,9 @@ def make_model(case: Case) -> nn.Module:
         return TinyLM()
     if case.kind == "unused":
         return UnusedBranch()
+    if case.kind == "layers":  # several DDP buckets with a small bucket_cap_mb (tests/test_perf_counts.py)
+        return nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                             nn.Linear(64, 2))
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
 
 

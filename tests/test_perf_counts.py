@@ -1,0 +1,210 @@
+"""The per-step path costs what a hand-written loop costs, counted without trusting the engine's own counters.
+
+* host syncs: every ``Tensor.item`` / ``tolist`` / ``__float__`` / ``__bool__`` / ``__int__`` called from an
+  ``accum_sched`` frame is counted by wrapping those methods: none per micro-batch, at most one per optimizer step;
+* collectives: ``torch.distributed``'s Python functions are wrapped in the rank processes, so every collective the
+  engine or its DDP comm hook launches is seen with its size. Per optimizer step there must be exactly the DDP
+  buckets (several: a small ``bucket_cap_mb``), whose sizes add up to the model plus the window's numbers carried
+  in one of them, and no small collective; per epoch, the one agreement;
+* every rank's parameters equal the plain-torch large-batch reference (so the multi-bucket norm used for clipping
+  and the counts carried in a bucket are right, not merely present).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import cases
+from distributed import attempt, spawn
+
+SYNC_METHODS = ("item", "tolist", "__float__", "__bool__", "__int__")
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "all_gather_object",
+               "broadcast_object_list", "send", "recv", "isend", "irecv")
+# partial last windows (factor 3 and 5 do not divide 10 micro-batches), clipping: the norm over several buckets
+LAYERS = cases.Case("layers-clip", {0: 1, 1: 3, 2: 5}, epochs=3, samples=(40, 38), kind="layers", clip=0.05,
+                    lr=0.02)
+BUCKET_CAP_MB = 0.01  # ~2600 fp32 numbers: the 64x64 layers land in separate buckets (3 after DDP's first round)
+
+
+class SyncCounter:
+    """Counts host-syncing tensor calls made directly from accum_sched code, while installed."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self._saved = {}
+
+    def __enter__(self):
+        for name in SYNC_METHODS:
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = original
+
+            def wrapper(tensor, *args, _original=original, _name=name, **kwargs):
+                caller = sys._getframe(1).f_globals.get("__name__", "")
+                if caller.startswith("accum_sched"):
+                    self.calls.append(f"{_name} in {caller}")
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+class CollectiveCounter:
+    """Wraps torch.distributed's Python collectives: (name, number of elements) of every call, while installed."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int]] = []
+        self._saved = {}
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        for name in COLLECTIVES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self._saved[name] = original
+
+            def wrapper(*args, _original=original, _name=name, **kwargs):
+                first = args[0] if args else next(iter(kwargs.values()), None)
+                self.calls.append((_name, first.numel() if isinstance(first, torch.Tensor) else 0))
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def _run_counted(case, rank, world, engine_kwargs, ddp_kwargs):
+    """Train ``case`` with the engine under both counters; per step: (syncs, collectives) since the previous step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from accum_sched import AccumulationEngine
+
+    model = cases.make_model(case)
+    wrapped = DDP(model, **ddp_kwargs) if world > 1 else model
+    engine = AccumulationEngine(wrapped, cases.make_optimizer(case, model), case.schedule,
+                                max_grad_norm=case.clip, **engine_kwargs)
+    loss_fn = cases.loss_fn_for(case.kind)
+    steps = []
+    with SyncCounter() as syncs, CollectiveCounter() as colls:
+        marks = {"syncs": 0, "colls": 0}
+
+        def on_step(info):
+            steps.append({"epoch": info.epoch, "syncs": syncs.calls[marks["syncs"]:],
+                          "colls": colls.calls[marks["colls"]:], "grad_norm": info.grad_norm})
+            marks.update(syncs=len(syncs.calls), colls=len(colls.calls))
+
+        engine.on_step(on_step)
+        for epoch in range(case.epochs):
+            engine.train_epoch(cases.rank_batches(case, rank, epoch), loss_fn, epoch)
+    params = sum(p.numel() for p in model.parameters())
+    return model, {"steps": steps, "syncs": syncs.calls, "colls": colls.calls, "params": params,
+                   "micro_batches": engine.micro_steps, "optimizer_steps": engine.optimizer_steps}
+
+
+def _rank_checks(rank: int, world: int, out_dir: str) -> None:
+    report = {}
+
+    def clipped():
+        model, counts = _run_counted(LAYERS, rank, world, {}, {"bucket_cap_mb": BUCKET_CAP_MB})
+        torch.save(cases.params(model), os.path.join(out_dir, f"clip-{rank}.pt"))
+        return counts
+
+    report["clip"] = attempt(clipped)
+
+    def sparse_norm():  # no clipping, the norm every 2nd step only; micro-batch prescale on (full windows)
+        case = cases.Case("layers-norm2", LAYERS.schedule, epochs=2, samples=(40, 38), kind="layers", lr=0.02)
+        model, counts = _run_counted(case, rank, world, {"norm_every": 2, "micro_batch_size": case.micro},
+                                     {"bucket_cap_mb": BUCKET_CAP_MB})
+        torch.save(cases.params(model), os.path.join(out_dir, f"norm2-{rank}.pt"))
+        return counts
+
+    report["norm2"] = attempt(sparse_norm)
+    with open(os.path.join(out_dir, f"report-{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("perf")
+    spawn(_rank_checks, 2, str(out), deadline_s=300)
+    return out, [json.load(open(out / f"report-{r}.json")) for r in range(2)]
+
+
+def _ok(report, name):
+    assert report[name]["error"] is None, report[name]["error"]
+    return report[name]["result"]
+
+
+def test_single_process_one_host_sync_per_step_none_per_micro_batch():
+    case = cases.Case("single", {0: 1, 1: 3, 2: 4}, epochs=3, samples=(38,), kind="layers", clip=0.05)
+    model, counts = _run_counted(case, 0, 1, {}, {})
+    assert counts["micro_batches"] > counts["optimizer_steps"] > 0
+    for step in counts["steps"]:
+        assert len(step["syncs"]) <= 1, step["syncs"]
+    assert len(counts["syncs"]) <= counts["optimizer_steps"], counts["syncs"]
+    assert counts["colls"] == []  # one process: nothing to sum
+    ref = cases.reference(case, 1)
+    for got, want in zip(cases.params(model), cases.params(ref)):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _check_steps(counts, rank):
+    """Per optimizer step: the DDP buckets and nothing else, one host sync; per epoch start: one agreement more."""
+    steps = counts["steps"]
+    assert len(steps) == counts["optimizer_steps"] > 0
+    for i, step in enumerate(steps):
+        small = [c for c in step["colls"] if c[1] <= 64]
+        big = [c for c in step["colls"] if c[1] > 64]
+        epoch_start = i == 0 or steps[i - 1]["epoch"] != step["epoch"]  # the agreement ran in this interval
+        assert len(small) == int(epoch_start), (rank, i, step["colls"])
+        assert all(name == "all_reduce" for name, _ in big), step["colls"]
+        assert len(step["syncs"]) == 1 + int(epoch_start), (rank, i, step["syncs"])
+        assert sum(n for _, n in big) == counts["params"] + 9, (rank, i, big)  # the model + the window's numbers
+        if i > 0:  # DDP's first round reduces one bucket holding everything, then it rebuilds its buckets
+            assert len(big) >= 3, (rank, i, big)  # several buckets: the multi-bucket norm and carrier paths run
+
+
+def test_ddp_step_has_only_its_buckets_and_one_host_sync(ranks):
+    _, reports = ranks
+    for rank, report in enumerate(reports):
+        counts = _ok(report, "clip")
+        _check_steps(counts, rank)
+        assert all(step["grad_norm"] is not None for step in counts["steps"])  # clipping measures it every step
+
+
+def test_ddp_every_rank_equals_the_large_batch_reference(ranks):
+    out, reports = ranks
+    for name, case in (("clip", LAYERS),
+                       ("norm2", cases.Case("layers-norm2", LAYERS.schedule, epochs=2, samples=(40, 38),
+                                            kind="layers", lr=0.02))):
+        ref = cases.params(cases.reference(case, 2))
+        for rank in range(2):
+            _ok(reports[rank], name)
+            got = torch.load(out / f"{name}-{rank}.pt")
+            for g, w in zip(got, ref):
+                assert torch.allclose(g, w, rtol=1e-5, atol=1e-6), (name, rank, (g - w).abs().max())
+
+
+def test_grad_norm_measured_at_its_cadence_only(ranks):
+    _, reports = ranks
+    for rank, report in enumerate(reports):
+        counts = _ok(report, "norm2")
+        _check_steps(counts, rank)
+        norms = [s["grad_norm"] for s in counts["steps"]]
+        assert [n is not None for n in norms] == [(i + 1) % 2 == 0 for i in range(len(norms))], norms
+        assert all(n > 0 for n in norms if n is not None)
