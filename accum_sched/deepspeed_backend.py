@@ -60,10 +60,13 @@ def _optimizer_classes():
     """DeepSpeed's optimizer wrappers, by the storage their gradient lives in (imported lazily: DeepSpeed is heavy)."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    return DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, BF16_Optimizer, FP16_Optimizer
+    # the last one is a tuple: both low-precision wrappers without ZeRO keep the gradient in the params' .grad
+    return DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, BF16_Optimizer, (FP16_Optimizer,
+                                                                                    FP16_UnfusedOptimizer)
 
 
 class DeepSpeedBackend:
@@ -266,9 +269,9 @@ def check_internals(ds_engine) -> None:
         raise _internals_error("DeepSpeedEngine.global_samples is not an int counter")
     zero12, zero3, bf16_opt, fp16_opt = _optimizer_classes()
     opt = ds_engine.optimizer
-    expected = {zero12: ("averaged_gradients", dict), zero3: ("averaged_gradients", dict),
-                bf16_opt: ("fp32_groups_gradients_flat", list), fp16_opt: ("fp16_groups", list)}
-    for cls, (attr, kind) in expected.items():
+    expected = [(zero12, "averaged_gradients", dict), (zero3, "averaged_gradients", dict),
+                (bf16_opt, "fp32_groups_gradients_flat", list), (fp16_opt, "fp16_groups", list)]
+    for cls, attr, kind in expected:
         if isinstance(opt, cls):
             if not isinstance(getattr(opt, attr, None), kind):
                 raise _internals_error(f"{type(opt).__name__}.{attr} is not a {kind.__name__}")
@@ -276,7 +279,7 @@ def check_internals(ds_engine) -> None:
     if ds_engine.zero_optimization() or not isinstance(opt, torch.optim.Optimizer):
         raise _internals_error(f"the optimizer wrapper {type(opt).__name__} is not one this back end knows "
                                f"(DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, BF16_Optimizer, "
-                               f"FP16_Optimizer or a plain torch optimizer without ZeRO)")
+                               f"FP16_Optimizer, FP16_UnfusedOptimizer or a plain torch optimizer without ZeRO)")
 
 
 def check_storage_shapes(opt, tensors: list[torch.Tensor]) -> None:

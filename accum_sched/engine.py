@@ -100,13 +100,15 @@ class AccumulationEngine:
             gradient) every this many optimizer steps; None: never. Clipping measures it at every step whatever this
             says, and a non-finite *loss* is caught at every step (it travels with the counts, at no cost). Under
             DDP the norm is taken in the comm hook as each bucket arrives; elsewhere it is one fused pass over the
-            gradients. Default 1 (every step); the launcher passes ``logging.log_every``.
+            gradients. Default None: a hand-written loop takes no norm either (measured: ~5% of a step of a
+            1M-parameter model at factor 1 on CPU); the launcher passes ``logging.log_every``. Set 1 to check
+            every step's gradient for NaN/inf and report its norm.
     """
 
     def __init__(self, model, optimizer=None, schedule=1, *, lr_scheduler=None, max_grad_norm: float | None = None,
                  normalize: str = "elements", uneven: str = "truncate", nonfinite: str = "skip",
                  precision: str = "fp32", micro_batch_size: int | None = None, count_allreduce: bool = True,
-                 lr_coupling: str = "none", norm_every: int | None = 1):
+                 lr_coupling: str = "none", norm_every: int | None = None):
         for name, value, allowed in (("normalize", normalize, NORMALIZE), ("uneven", uneven, UNEVEN),
                                      ("nonfinite", nonfinite, NONFINITE), ("precision", precision, PRECISION),
                                      ("lr_coupling", lr_coupling, LR_COUPLING)):

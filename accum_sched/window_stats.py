@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 DIGIT = 4096
-SIZE = 9  # elements (3 digits), samples (3 digits), stop flag, loss sum, non-finite flag
+SIZE = 8  # elements (3 digits), samples (3 digits), stop flag, loss sum (NaN or infinite when a rank's was)
 
 
 def _digits(value: int) -> list[float]:
@@ -44,8 +44,7 @@ def encode(elements, samples: int, loss: torch.Tensor, stop: bool, dtype: torch.
     float64 sum of the window's losses on this rank.
     """
     device = loss.device
-    loss = loss.detach().reshape(1).to(torch.float64)
-    tail = torch.cat([loss, (~torch.isfinite(loss)).to(torch.float64)]).to(dtype)
+    tail = loss.detach().reshape(1).to(dtype)
     if isinstance(elements, torch.Tensor):
         head = torch.cat([_tensor_digits(elements).to(device, dtype),
                           _host_vector(_digits(samples) + [float(stop)], device, dtype)])
@@ -62,7 +61,8 @@ class WindowTotals:
     samples: int
     stop: bool
     loss: float  # sum over ranks of the window's losses
-    nonfinite: bool  # a rank's loss was NaN or infinite (the gradient's own check is the norm)
+    nonfinite: bool  # a rank's loss was NaN or infinite (a sum with one NaN or inf in it is NaN or inf); the
+    # gradient's own check is its norm, where it is measured
     grad_norm: float | None  # global norm of the accumulated gradient before normalisation, if it was taken
 
 
@@ -72,6 +72,7 @@ def decode(values: list[float]) -> WindowTotals:
         return int(round(values[i])) * DIGIT ** 2 + int(round(values[i + 1])) * DIGIT + int(round(values[i + 2]))
 
     squared = values[SIZE] if len(values) > SIZE else None
-    return WindowTotals(elements=count(0), samples=count(3), stop=values[6] > 0, loss=values[7],
-                        nonfinite=values[8] > 0 or values[7] != values[7] or abs(values[7]) == float("inf"),
+    loss = values[7]
+    return WindowTotals(elements=count(0), samples=count(3), stop=values[6] > 0, loss=loss,
+                        nonfinite=loss != loss or abs(loss) == float("inf"),
                         grad_norm=None if squared is None else squared ** 0.5)

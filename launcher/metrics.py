@@ -82,7 +82,8 @@ class MetricsWriter:
         self._file.flush()
         if self._tb is not None:
             for key in ("loss", "lr", "grad_norm", "factor"):
-                self._tb.add_scalar(f"train/{key}", record[key], info.step)
+                if record[key] is not None:  # grad_norm is measured at the logging cadence only
+                    self._tb.add_scalar(f"train/{key}", record[key], info.step)
 
     def close(self) -> None:
         self._file.close()

@@ -165,7 +165,7 @@ class Trainer:
             lr_scheduler=None if self.ds_engine is not None else self.lr_scheduler,
             max_grad_norm=cfg.optimizer.max_grad_norm, normalize=acc.normalize, uneven=acc.uneven,
             nonfinite=acc.nonfinite, precision=cfg.run.precision, micro_batch_size=cfg.data.micro_batch_size,
-            lr_coupling=acc.lr_coupling)
+            lr_coupling=acc.lr_coupling, norm_every=cfg.logging.log_every)
         self.metrics = None
         self.progress = None
         self.start = time.time()

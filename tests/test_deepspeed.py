@@ -104,6 +104,43 @@ def _deepspeed_own_accumulation(case, rank: int) -> dict:
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
+def _guard_checks(rank: int) -> dict:
+    """DeepSpeed internals the back end relies on, changed on a real engine: one-line errors naming the version."""
+    import deepspeed
+
+    from accum_sched import AccumulationEngine
+    from accum_sched.deepspeed_backend import DeepSpeedInternalsChanged
+
+    sgd = BY_NAME["sgd-changing-partial"]
+    out = {}
+
+    def fresh():
+        model = cases.make_model(sgd)
+        ds_engine, *_ = deepspeed.initialize(model=model, optimizer=cases.make_optimizer(sgd, model),
+                                             config=ds_config(sgd, 2))
+        return ds_engine
+
+    ds_engine = fresh()
+    del ds_engine.optimizer.averaged_gradients  # an attribute the back end reads is gone: stop at set-up
+    try:
+        AccumulationEngine(ds_engine, None, sgd.schedule)
+        out["attribute"] = None
+    except DeepSpeedInternalsChanged as exc:
+        out["attribute"] = str(exc)
+    ds_engine = fresh()
+    engine = AccumulationEngine(ds_engine, None, sgd.schedule, max_grad_norm=1.0)
+    opt = ds_engine.optimizer  # the gradient partition no longer matches the master partition: stop at step 1
+    opt.single_partition_of_fp32_groups = [t[:-1] for t in opt.single_partition_of_fp32_groups]
+    try:
+        engine.train_epoch(cases.rank_batches(sgd, rank, 0), cases.loss_fn_for(sgd.kind), 0)
+        out["shape"] = None
+    except DeepSpeedInternalsChanged as exc:
+        out["shape"] = str(exc)
+    out["steps_before_shape_error"] = engine.optimizer_steps
+    out["version"] = deepspeed.__version__
+    return out
+
+
 def _worker(rank: int, world: int, out: str) -> None:
     import logging
 
@@ -145,6 +182,7 @@ def _worker(rank: int, world: int, out: str) -> None:
             keyed = dataclasses.replace(case, schedule=AccumulationSchedule(case.schedule, unit))
             for stage in (0, 2, 3):
                 runs[f"z{stage}/{unit}-keyed"] = _train_ds(keyed, rank, stage, clip=case.clip, lr_coupling=coupling)
+        runs["guard"] = _guard_checks(rank)
     if rank == 0:
         torch.save(runs, os.path.join(out, "runs.pt"))
 
@@ -289,3 +327,13 @@ def test_step_and_token_keyed_schedules_equal_reference(runs, stage, unit_case):
     assert any(s["factor"] != t["factor"] and s["epoch"] == t["epoch"] for s, t in zip(run["steps"], run["steps"][1:]))
     ref = cases.reference_units(case, unit, coupling, WORLD)
     assert_params_close(run["state"], ref.state_dict(), f"ZeRO {stage} {unit}-keyed")
+
+
+def test_changed_deepspeed_internals_stop_with_one_line_naming_the_version(runs):
+    guard = runs["guard"]
+    for what in ("attribute", "shape"):
+        message = guard[what]
+        assert message is not None, f"a changed {what} went unnoticed"
+        assert "\n" not in message and message.startswith(f"DeepSpeed {guard['version']}: "), message
+    assert "averaged_gradients" in guard["attribute"]
+    assert "single_partition_of_fp32_groups" in guard["shape"] and guard["steps_before_shape_error"] == 0

@@ -228,3 +228,16 @@ def test_deepspeed_config_handed_to_deepspeed():
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (
         16, 1, 32)
     assert ds["gradient_clipping"] == 0.0 and "accum_sched" not in ds and ds["zero_optimization"]["stage"] == 2
+
+
+def test_deepspeed_throughput_timer_off_unless_the_json_asks(tmp_path):
+    """DeepSpeed's throughput timer synchronises the device at every forward and step(): off by default, the
+    user's own "timers" section kept as written."""
+    from launcher import deepspeed_setup
+
+    cfg = load_config(os.path.join(ROOT, "configs", "deepspeed.yaml"))
+    assert deepspeed_setup.deepspeed_config(cfg, 2, client_optimizer=True)["timers"] == {
+        "throughput": {"enabled": False}}
+    asked = {"timers": {"throughput": {"enabled": True, "synchronized": False}}, "zero_optimization": {"stage": 2}}
+    cfg = load_config(write_config(tmp_path, "timed", deepspeed=ds_json(tmp_path, asked, "timed.json")))
+    assert deepspeed_setup.deepspeed_config(cfg, 2, client_optimizer=True)["timers"] == asked["timers"]

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import cases
+from accum_sched import window_stats
 from distributed import attempt, spawn
 
 SYNC_METHODS = ("item", "tolist", "__float__", "__bool__", "__int__")
@@ -174,7 +175,7 @@ def _check_steps(counts, rank):
         assert len(small) == int(epoch_start), (rank, i, step["colls"])
         assert all(name == "all_reduce" for name, _ in big), step["colls"]
         assert len(step["syncs"]) == 1 + int(epoch_start), (rank, i, step["syncs"])
-        assert sum(n for _, n in big) == counts["params"] + 9, (rank, i, big)  # the model + the window's numbers
+        assert sum(n for _, n in big) == counts["params"] + window_stats.SIZE, (rank, i, big)  # the model + the window's numbers
         if i > 0:  # DDP's first round reduces one bucket holding everything, then it rebuilds its buckets
             assert len(big) >= 3, (rank, i, big)  # several buckets: the multi-bucket norm and carrier paths run
 
@@ -208,3 +209,31 @@ def test_grad_norm_measured_at_its_cadence_only(ranks):
         norms = [s["grad_norm"] for s in counts["steps"]]
         assert [n is not None for n in norms] == [(i + 1) % 2 == 0 for i in range(len(norms))], norms
         assert all(n > 0 for n in norms if n is not None)
+
+
+def test_nonfinite_gradient_with_finite_loss_is_caught_where_the_norm_is_measured():
+    """A NaN gradient under a finite loss is seen through the norm: at every step with norm_every=1, not with None
+    (the documented price of skipping the pass); a NaN loss is caught either way."""
+    from accum_sched import AccumulationEngine
+
+    case = cases.Case("nan-grad", {0: 2}, epochs=1, samples=(32,), kind="layers")
+    skipped = {}
+    for norm_every in (1, None):
+        model = cases.make_model(case)
+        engine = AccumulationEngine(model, cases.make_optimizer(case, model), case.schedule, norm_every=norm_every)
+        calls = {"n": 0}
+
+        def poison(grad):
+            calls["n"] += 1
+            return grad * float("nan") if calls["n"] == 3 else grad  # the 3rd backward: window 2's first half
+
+        model[0].weight.register_hook(poison)
+        steps = []
+        engine.on_step(steps.append)
+        engine.train_epoch(cases.rank_batches(case, 0, 0), cases.loss_fn_for(case.kind), 0)
+        skipped[norm_every] = [s.step for s in steps if s.skipped]
+        assert all(s.grad_norm is None for s in steps) if norm_every is None else all(
+            s.grad_norm is not None for s in steps)
+    assert skipped[1] == [2]
+    # unmeasured, the NaN gradient reaches the weights at step 2; the next losses are NaN, and those steps are skipped
+    assert 2 not in skipped[None] and skipped[None] == [3, 4]
