@@ -76,7 +76,7 @@ def _read_texts(args: HFArgs) -> list[str]:
     field = args.text_field
     if args.data_kind == "text":
         with open(args.data, encoding="utf-8") as f:
-            return [line.rstrip("\n") for line in f if line.strip()]
+            return [line.rstrip("\r\n") for line in f if line.strip()]
     if args.data_kind == "jsonl":
         texts = []
         with open(args.data, encoding="utf-8") as f:
