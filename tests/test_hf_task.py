@@ -280,3 +280,11 @@ def test_errors_found_only_when_building_name_the_arg(tmp_path):
         with pytest.raises(ConfigError) as info:
             hf_causal_lm(**{"data": CORPUS, **args})
         assert info.value.field == field, info.value.line()
+
+
+def test_check_of_hf_config_never_imports_torch():
+    probe = ("import sys; from launcher.cli import main; assert main(['check', 'configs/hf_tiny.yaml']) == 0; "
+             "assert not {'torch', 'transformers', 'datasets'} & set(sys.modules), 'imported'")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
