@@ -44,6 +44,10 @@ class HookState:
         return torch.stack(squares).sum() if squares else None
 
 
+def _first(fut):
+    return fut.value()[0]
+
+
 def engine_hook(state: HookState, bucket):
     buf = bucket.buffer()
     index, last = bucket.index(), bucket.is_last()
@@ -64,13 +68,16 @@ def engine_hook(state: HookState, bucket):
     if last:
         state._carrier = min(state._sizes, key=state._sizes.get)
         state._sizes = {}
+    fut = dist.all_reduce(flat, async_op=True).get_future()
+    if carry:  # a view of the tail: it holds the sums once DDP has waited for this bucket, at the backward's end
+        state.reduced_stats = flat[n:]
     want_norm, after = state.want_norm, state.after_reduce
+    if not want_norm and not after:
+        return fut.then(_first)  # a Python hook's future must hold one tensor (torch asserts it)
 
     def reduced(fut):
         out = fut.value()[0]
         grads = out[:n] if carry else out
-        if carry:
-            state.reduced_stats = out[n:]
         if want_norm:
             norm = torch.linalg.vector_norm(grads, dtype=None if grads.dtype == torch.float32 else torch.float32)
             state.squared_norms.append(norm.double() ** 2)  # list.append: safe if buckets finish on two threads
@@ -78,4 +85,4 @@ def engine_hook(state: HookState, bucket):
             callback(index, grads)
         return out
 
-    return dist.all_reduce(flat, async_op=True).get_future().then(reduced)
+    return fut.then(reduced)

@@ -10,8 +10,10 @@ first round is a warm-up and is dropped. Printed: median [min-max] of the per-ro
 (both ranks, all threads).
 
 DDP variants: ``hand`` (baseline: plain DDP, no comm hook, no_sync off the boundary, mean loss / window size),
-``engine`` (the defaults: gradient norm every step, taken in the comm hook), ``engine_nonorm`` (``norm_every=None``:
-what the norm costs), ``hand_hook`` (the baseline with a Python comm hook that only counts rounds: what any
+``engine`` (the defaults: no gradient norm, as in the hand-written loop), ``engine_norm`` (``norm_every=1``: the
+norm and non-finite-gradient check at every step, taken in the comm hook), ``engine_nohook``
+(``count_allreduce=False``: no comm hook; the window's numbers take one small all-reduce overlapping the last
+backward), ``hand_hook`` (the baseline with a Python comm hook that only counts rounds: what any
 Python hook costs). ``--deepspeed STAGE``: ``alone`` (baseline: DeepSpeed's own GAS, step() every micro-batch)
 and ``engine`` (accum_sched driving the same DeepSpeed configuration).
 """
@@ -96,7 +98,8 @@ def build_variants(args, w: Workload, schedule: dict) -> tuple[str, dict]:
         hooked.register_comm_hook(_Counter(), _counting_allreduce)
         hooked_opt = make_optimizer(w, hooked_model.parameters())
         out["hand_hook"] = lambda loader, f, e: hand_written_epoch(hooked, hooked_opt, loader, f)
-    for name, kwargs in (("engine", {}), ("engine_nonorm", {"norm_every": None})):
+    for name, kwargs in (("engine", {}), ("engine_norm", {"norm_every": 1}),
+                         ("engine_nohook", {"count_allreduce": False})):
         if name not in args.variants:
             continue
         model = build_model(w.model)
@@ -113,7 +116,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=62)
     parser.add_argument("--factors", default="1,4,8")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--variants", default="engine,engine_nonorm")
+    parser.add_argument("--variants", default="engine,engine_norm")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--deepspeed", type=int, default=None, metavar="STAGE")
     args = parser.parse_args()
