@@ -37,7 +37,7 @@ import warnings
 import torch
 
 from accum_sched import collective
-from accum_sched.step_rules import gradient_scale, scale_gradients, squared_norm
+from accum_sched.step_rules import gradient_scale, scale_gradients, scaled_lr, squared_norm
 
 
 def ensure_torch_extensions_dir() -> str:
@@ -318,14 +318,8 @@ def _inner_step(optimizer, *, skip: bool, lr_scale: float):
     def step(*args, **kwargs):
         if skip:
             return None
-        lrs = [group["lr"] for group in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            group["lr"] = group["lr"] * lr_scale
-        try:
+        with scaled_lr(optimizer, lr_scale):  # the rule every back end shares (accum_sched.step_rules)
             return original(*args, **kwargs)
-        finally:
-            for group, lr in zip(optimizer.param_groups, lrs):
-                group["lr"] = lr
 
     optimizer.step = step
     try:
