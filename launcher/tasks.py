@@ -3,6 +3,8 @@
 The function returns a mapping or object with ``model`` (nn.Module), ``dataset`` (map-style Dataset),
 ``loss_fn(model, batch) -> (loss_sum, n_elements)`` and optionally ``collate_fn`` and ``count_fn(batch) ->
 n_elements`` (the same count without a forward pass; needed only to plan LR totals of token-keyed schedules).
+For validation it may also return ``val_dataset``, ``val_loss_fn`` (default: ``loss_fn``) and
+``metrics_fn(model, batch) -> {name: (sum, count)}`` (each metric is reported as sum / count over the whole set).
 
 `check_target` verifies a target before launch without importing it (so without torch): the module must be
 findable and define the function at top level.
@@ -32,6 +34,9 @@ class Task:
     loss_fn: Callable
     collate_fn: Callable | None = None
     count_fn: Callable | None = None  # batch -> elements (tokens) without a forward; plans token-keyed schedules
+    val_dataset: Any = None  # evaluated by launcher/evaluate.py (config section eval)
+    val_loss_fn: Callable | None = None  # default: loss_fn
+    metrics_fn: Callable | None = None  # (model, batch) -> {name: (sum, count)}
 
 
 def resolve(target: str) -> tuple[str, str]:
@@ -106,4 +111,5 @@ def build(target: str, args: dict) -> Task:
         raise ConfigError("task.target", f"{target} returned no {', '.join(missing)}",
                           "return a mapping with model, dataset, loss_fn (and optionally collate_fn)")
     return Task(model=get("model"), dataset=get("dataset"), loss_fn=get("loss_fn"), collate_fn=get("collate_fn"),
-                count_fn=get("count_fn"))
+                count_fn=get("count_fn"), val_dataset=get("val_dataset"), val_loss_fn=get("val_loss_fn"),
+                metrics_fn=get("metrics_fn"))
