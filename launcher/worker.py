@@ -211,6 +211,7 @@ class Trainer:
         step = self.checkpointer.restore(self)  # before the metrics writer: it cuts metrics.jsonl back to the checkpoint
         if self.validation is not None:
             self.validation.truncate(step)  # eval.jsonl likewise
+            self.early_stopped = self.validation.stop  # a resumed run that had stopped early stays stopped
         if self.rank == 0:
             os.makedirs(self.run_dir, exist_ok=True)
             self.metrics = MetricsWriter(self.run_dir, cfg.logging.tensorboard, self.start)
@@ -221,7 +222,7 @@ class Trainer:
         self.engine.on_step(self._on_step)
         self.engine.on_step(self._validate_step)  # after the step's metrics line, before its checkpoint
         self.engine.on_step(self.checkpointer.on_step)  # after the metrics line of the same step
-        for epoch in range(self.engine.epoch_index, cfg.run.epochs):
+        for epoch in range(self.engine.epoch_index, cfg.run.epochs if not self.early_stopped else 0):
             began = time.time()
             self.sampler.set_epoch(epoch)
             self.engine.train_epoch(self.checkpointer.loader(epoch, self.loader), self.loss_fn, epoch)
