@@ -65,14 +65,15 @@ def param_groups(params, no_decay) -> list:
     return groups
 
 
-def build_optimizer(section, params):
-    """The optimizer ``optimizer.name`` names (sgd, adam, adamw or an import path), for ``params`` (the model, or
-    its parameters), with ``lr``, the optional common fields and ``optimizer.args``; torch's defaults otherwise."""
+def _optimizer_call(section):
+    """``(class or factory, keyword arguments, config field of each keyword)`` for ``optimizer``; checked."""
     name = section.name
     builtin = name in BUILTIN_OPTIMIZERS
     target = BUILTIN_OPTIMIZERS[name] if builtin else import_path.load("optimizer.name", name)
-    if not callable(target):
-        raise ConfigError("optimizer.name", f"{name!r} is not an optimizer class (it is a {type(target).__name__})",
+    not_optimizer = not callable(target) or (isinstance(target, type)
+                                             and not issubclass(target, torch.optim.Optimizer))
+    if not_optimizer:
+        raise ConfigError("optimizer.name", f"{name!r} is not an optimizer (it is {target!r})",
                           "name a torch.optim.Optimizer subclass, e.g. torch.optim.RMSprop")
     kwargs, fields = {"lr": section.lr}, {"lr": "optimizer.lr", "*": "optimizer.args"}
     common = {"weight_decay": section.weight_decay, "momentum": section.momentum,
@@ -85,6 +86,14 @@ def build_optimizer(section, params):
     for key, value in section.args.items():
         kwargs[key] = tuple(value) if isinstance(value, list) else value
     _check_keywords(target, kwargs, fields, name)
+    return target, kwargs
+
+
+def build_optimizer(section, params):
+    """The optimizer ``optimizer.name`` names (sgd, adam, adamw or an import path), for ``params`` (the model, or
+    its parameters), with ``lr``, the optional common fields and ``optimizer.args``; torch's defaults otherwise."""
+    name = section.name
+    target, kwargs = _optimizer_call(section)
     try:
         optimizer = target(param_groups(params, section.no_decay), **kwargs)
     except (TypeError, ValueError) as exc:
@@ -126,9 +135,7 @@ def build_lr_scheduler(section, optimizer, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(name, s, total, warmup, floor))
 
 
-def _scheduler_by_path(section, optimizer, total: int):
-    """A scheduler class or factory by import path: ``target(optimizer, **args)``, with a run-length keyword it
-    takes (total_steps, T_max, total_iters, num_training_steps) filled with the planned optimizer steps."""
+def _scheduler_call(section, total: int):
     name = section.name
     target = import_path.load("lr_scheduler.name", name)
     if not callable(target):
@@ -140,6 +147,33 @@ def _scheduler_by_path(section, optimizer, total: int):
         if key in accepted and key not in kwargs:
             kwargs[key] = total
     _check_keywords(target, kwargs, {"*": "lr_scheduler.args"}, name)
+    if isinstance(target, type) and callable(getattr(target, "step", None)):
+        _check_step(name, target.step, bound=False)
+    return target, kwargs
+
+
+def _check_step(name: str, step, bound: bool) -> None:
+    """The engine calls ``scheduler.step()`` once per optimizer step: a step that needs an argument cannot work."""
+    params = list(inspect.signature(step).parameters.values())[0 if bound else 1:]
+    required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if required:  # ReduceLROnPlateau: step(metrics)
+        raise ConfigError("lr_scheduler.name", f"{name}.step needs {', '.join(required)}",
+                          "use a scheduler stepped once per optimizer step without arguments")
+
+
+def check_config(cfg) -> None:
+    """Before launch (`accum-sched run`): import what optimizer/lr_scheduler name and check their keywords, so a
+    typo is one line and exit 2 instead of a failed worker group. Builds nothing."""
+    _optimizer_call(cfg.optimizer)
+    if cfg.lr_scheduler is not None and cfg.lr_scheduler.name not in ("constant", "linear", "cosine", "onecycle"):
+        _scheduler_call(cfg.lr_scheduler, 1)
+
+
+def _scheduler_by_path(section, optimizer, total: int):
+    """A scheduler class or factory by import path: ``target(optimizer, **args)``, with a run-length keyword it
+    takes (total_steps, T_max, total_iters, num_training_steps) filled with the planned optimizer steps."""
+    name = section.name
+    target, kwargs = _scheduler_call(section, total)
     try:
         scheduler = target(optimizer, **kwargs)
     except (TypeError, ValueError) as exc:
@@ -148,9 +182,5 @@ def _scheduler_by_path(section, optimizer, total: int):
     if not callable(step) or not callable(getattr(scheduler, "state_dict", None)):
         raise ConfigError("lr_scheduler.name", f"{name!r} did not build an LR scheduler (no step/state_dict)",
                           "name a torch.optim.lr_scheduler.LRScheduler subclass or a factory returning one")
-    required = [p.name for p in inspect.signature(step).parameters.values()
-                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if required:  # ReduceLROnPlateau: step(metrics) -- the engine steps per optimizer step, with no argument
-        raise ConfigError("lr_scheduler.name", f"{name}.step needs {', '.join(required)}",
-                          "use a scheduler stepped once per optimizer step without arguments")
+    _check_step(name, step, bound=True)
     return scheduler
