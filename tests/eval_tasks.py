@@ -12,9 +12,10 @@ from torch.utils.data import TensorDataset
 
 
 def make_data(samples: int, seed: int):
+    """Samples of one function (the same w for training and validation data), drawn with ``seed``."""
+    w = torch.randn(6, 2, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(samples, 6, generator=g) * 0.5
-    w = torch.randn(6, 2, generator=g)
     y = torch.tanh(x @ w) + 0.05 * torch.randn(samples, 2, generator=g)
     return x, y
 

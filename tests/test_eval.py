@@ -2,7 +2,7 @@
 
 - 2 ranks, dropout, evaluations at epoch ends and every 5 steps: eval.jsonl's val_loss and metrics are the plain means
   over the odd-sized validation set (computed here from model.pt / model-best.pt), each sample counted once; the
-  run ends with model.pt bit for bit equal to the same run without a validation set.
+  run ends with model.pt bit for bit equal to the same run without a validation set; `report` shows them.
 - 3 ranks (shards of 34, 34 and 33 samples, so one rank runs a filler forward), RMSprop and StepLR by import path,
   early stopping: every rank stops after the same epoch, model.pt equals a plain-torch large-batch reference, and a
   resume of the stopped run keeps the early-stop state (it trains nothing more).
@@ -94,6 +94,11 @@ def test_validation_is_exact_and_does_not_touch_training(tmp_path):
     assert summary["last_eval"] == evals[-1] and summary["best_eval"] == best
     check_exact(best, load(run, "model-best.pt"), "best", 0.2)
     assert "eval  epoch 2  step 12  val_loss" in proc.stdout and "epoch 2 of 0-2 done" in proc.stdout
+    # the report: validation curve next to the training one, last and best in the text
+    text = accum("report", run).stdout
+    assert f"validation        val_loss {evals[-1]['val_loss']:.6g} at step 12 (epoch 2), 101 elements" in text
+    assert f"best validation   val_loss {best['val_loss']:.6g} (min) at step {best['step']}" in text
+    assert os.path.getsize(os.path.join(run, "report.png")) > 10_000
 
     # evaluation changed nothing in training (dropout, the RNG, modes): same bits, same losses
     with_val, without = load(run), load(bare)
@@ -155,3 +160,13 @@ def test_early_stop_on_three_ranks_with_optimizer_by_import_path(tmp_path):
     assert lines(os.path.join(run, "eval.jsonl")) == evals
     assert json.load(open(os.path.join(run, "summary.json")))["stopped_early"]
     assert all(torch.equal(load(run)[k], got[k]) for k in got), again.stdout
+
+
+def test_report_reads_eval_lines():
+    from launcher import report
+
+    text = ['{"epoch": 0, "step": 4, "val_loss": 0.5}', '{"epoch": 1, "step": 8, "val_loss": 0.3}',
+            '{"epoch": 1, "step": 6, "val_loss": 0.4}', '{"epoch": 2, "step": 9, "val_lo']  # rewound, torn
+    evals = report.parse_evals(text)
+    assert [e["step"] for e in evals] == [4, 6]
+    assert report.best_eval(evals)["step"] == 6 and report.best_eval(evals, mode="max")["step"] == 4
