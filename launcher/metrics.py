@@ -101,6 +101,13 @@ class MetricsWriter:
             for key in ("loss", "lr", "grad_norm", "factor"):
                 self._tb.add_scalar(f"train/{key}", record[key], info.step)
 
+    def write_eval(self, record: dict) -> None:
+        """Mirror an evaluation (an eval.jsonl line, written by launcher/validation.py) to TensorBoard."""
+        if self._tb is not None:
+            for key, value in record.items():
+                if key not in ("epoch", "step", "wall_time") and isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"val/{key}", value, record["step"])
+
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:

@@ -187,6 +187,8 @@ class Trainer:
     def validate(self, epoch: int) -> None:
         """Evaluate (collective); on every rank, stop when early stopping says so (same numbers everywhere)."""
         record = self.validation.run(epoch, self.engine.optimizer_steps)
+        if self.metrics is not None:
+            self.metrics.write_eval(record)
         if self.progress is not None:
             self.progress.evaluation(record, self.validation.best, self.cfg.eval.monitor)
         if self.validation.stop:
