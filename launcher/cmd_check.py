@@ -18,8 +18,10 @@ def add_parser(sub) -> None:
 
 
 def preflight(cfg: Config) -> None:
-    """Everything that can be checked before any worker starts: task target, import paths, DeepSpeed config."""
+    """Everything that can be checked before any worker starts: task target (and a built-in's args), import
+    paths, DeepSpeed config."""
     tasks.check_target(cfg.task.target)
+    tasks.check_args(cfg.task.target, cfg.task.args)
     from launcher import import_path
     from launcher.config import LR_SCHEDULERS, OPTIMIZERS
 
