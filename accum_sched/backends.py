@@ -122,6 +122,7 @@ class _Counter:
         self.rounds = 0
         self.bytes = 0
         self.squared_norms: list[torch.Tensor] = []  # filled by _allreduce_with_norm, one per reduced bucket
+        self.pre_reduce = None  # optional callback(bucket buffer) before the all-reduce (accum_sched.noise_scale)
 
 
 def _counting_allreduce(state: _Counter, bucket):
@@ -129,6 +130,8 @@ def _counting_allreduce(state: _Counter, bucket):
 
     buf = bucket.buffer()
     state.bytes += buf.numel() * buf.element_size()
+    if state.pre_reduce is not None:  # this rank's own accumulated gradient, before it meets the others'
+        state.pre_reduce(buf)
     if bucket.is_last():  # one backward = one round, however many buckets it takes
         state.rounds += 1
     return default_hooks.allreduce_hook(None, bucket)
@@ -189,6 +192,13 @@ class DDPBackend(TorchBackend):
         if self._counter is not None:
             self._counter.squared_norms = []  # a window whose norm was not asked for leaves none behind
         super().step(coef, max_norm, norm, skip, **kwargs)
+
+    def set_pre_reduce(self, callback) -> bool:
+        """Call ``callback(buffer)`` with every bucket before its all-reduce; False when our hook is not installed."""
+        if self._counter is None:
+            return False
+        self._counter.pre_reduce = callback
+        return True
 
     @property
     def allreduce_rounds(self):
