@@ -404,7 +404,7 @@ class AccumulationEngine:
         grad_norm = float(norm) * coef
         noise = None
         if self.noise is not None:  # one all-reduce of four numbers (accum_sched.noise_scale)
-            noise = self.noise.finish_window(grad_norm * grad_norm, n_total, update=not skip)
+            noise = self.noise.finish_window(grad_norm * grad_norm, coef, n_total, update=not skip)
         lr_scale = self._lr_scale(factor, noise, size, n_total)
         lr = self.backend.lr() * lr_scale
         on_window = getattr(self.backend, "on_window", None)

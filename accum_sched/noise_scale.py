@@ -13,9 +13,9 @@ Where the two batch sizes come from, per window (one optimizer step):
 
 * several ranks (DDP): the small batch is one rank's share of the window. At the window's last backward DDP hands
   each gradient bucket to our comm hook *before* its all-reduce; the bucket then holds this rank's accumulated
-  gradient (earlier micro-batches stayed local under no_sync). The hook adds the bucket's squared norm to a list (a
-  norm of a buffer that is in cache anyway, no extra pass over ``.grad``). The big batch is the all-reduced window,
-  whose norm the engine takes for clipping and metrics already.
+  gradient (earlier micro-batches stayed local under no_sync), and the hook takes the squared norm of each
+  parameter's view of it there (memory that is in cache anyway, no extra pass over ``.grad``); the big batch is the
+  same bucket once all-reduced, its norms taken in the all-reduce's completion callback.
 * one process: the small batches are the window's micro-batches. A tensor hook on every parameter sees the gradient
   of each backward before it is added into ``.grad``, so its squared norm is taken there (one norm per parameter per
   micro-batch, the price of measuring without ranks). A window of one micro-batch has B_small = B_big and gives no
@@ -131,25 +131,46 @@ class _Probe:
 
 
 class BucketProbe(_Probe):
-    """DDP: one small batch per rank and window, from the buckets' norms before their all-reduce."""
+    """DDP: one small batch per rank and window, from the buckets' gradients before their all-reduce.
+
+    Norms are taken per parameter (the bucket's views) and summed in parameter order, for the local and for the
+    reduced gradient alike: DDP rebuilds its buckets after the first backward of every new DDP object, so a norm
+    per bucket would change in its last bits after a resume, and resumed decisions must repeat bit for bit.
+    """
 
     def __init__(self, backend):
         super().__init__()
-        self.squares: list[torch.Tensor] = []
+        self.index = {id(p): i for i, p in enumerate(backend.model.parameters())}
+        self.local: dict[int, torch.Tensor] = {}
+        self.reduced: dict[int, torch.Tensor] = {}
         self._window_n = None
-        if not backend.set_pre_reduce(self._bucket):
+        if not backend.observe_buckets(self._before, self._after):
             raise ValueError("noise_scale needs accum_sched's DDP comm hook (count_allreduce=True and no comm hook "
                              "of your own): the local gradient is read from each bucket before its all-reduce")
 
-    def _bucket(self, buffer: torch.Tensor) -> None:  # DDP comm hook thread, before the bucket's all-reduce
-        self.squares.append(_squared_norm(buffer))  # list.append: safe if buckets arrive on two threads
+    def _before(self, bucket) -> None:  # comm hook, before the all-reduce: this rank's accumulated gradient
+        for param, grad in zip(bucket.parameters(), bucket.gradients()):
+            self.local[self.index[id(param)]] = _squared_norm(grad)
+
+    def _after(self, bucket, reduced: torch.Tensor) -> None:  # the bucket once reduced (DDP's mean over ranks)
+        offset = 0
+        for param in bucket.parameters():
+            self.reduced[self.index[id(param)]] = _squared_norm(reduced[offset:offset + param.numel()])
+            offset += param.numel()
 
     def after_backward(self, n: torch.Tensor, multiplier: float, boundary: bool) -> None:
         self._window_n = n if self._window_n is None else self._window_n + n.to(self._window_n.device)
         if boundary:
-            squares, self.squares = self.squares, []
-            self._add(squares, self._window_n, multiplier)
+            local, self.local = self.local, {}
+            self._add([local[i] for i in sorted(local)], self._window_n, multiplier)
             self._window_n = None
+
+    def global_sq(self, multiplier: float) -> torch.Tensor | None:
+        """|sum over ranks of the window's gradients|^2 x ``multiplier``^2, from the reduced buckets; resets."""
+        reduced, self.reduced = self.reduced, {}
+        if not reduced:
+            return None
+        return torch.stack([reduced[i] for i in sorted(reduced)]).sum() * (multiplier * multiplier)
 
 
 class MicroBatchProbe(_Probe):
@@ -181,22 +202,25 @@ class WindowNoise:
     def after_backward(self, n: torch.Tensor, multiplier: float, boundary: bool) -> None:
         self.probe.after_backward(n, multiplier, boundary)
 
-    def finish_window(self, global_sq: float, n_total: float, update: bool) -> dict:
-        """The window's metrics fields. ``global_sq``: squared norm of the window's normalised gradient, identical
-        on every rank; ``n_total``: its elements over all ranks. One all-reduce of four numbers. ``update=False``
-        (a skipped step) reports the inputs but keeps them out of the EMAs."""
+    def finish_window(self, global_sq: float, coef: float, n_total: float, update: bool) -> dict:
+        """The window's metrics fields; one all-reduce of four numbers.
+
+        ``coef`` turns the back end's reduced gradient into the window's mean gradient; ``global_sq`` is the
+        squared norm of that mean gradient as the engine took it, used unless the probe took its own from the
+        reduced buckets. ``n_total``: the window's elements over all ranks. ``update=False`` (a skipped step)
+        reports the inputs but keeps them out of the EMAs."""
         device = collective.comm_device()
+        own = self.probe.global_sq(coef) if hasattr(self.probe, "global_sq") else None
+        global_t = own.to(device) if own is not None else torch.tensor(global_sq, dtype=torch.float64, device=device)
         small_sum, count, elements = self.probe.take(device)
-        # global_sq is summed too and divided by the world size: every rank then holds the same bits even if the
-        # ranks summed their bucket norms in different orders
-        stats = collective.all_sum(torch.stack([small_sum, count, elements,
-                                                torch.tensor(global_sq, dtype=torch.float64, device=device)]))
+        # the global norm is summed too and divided by the world size, so that every rank holds the same bits
+        # whatever the collective's rounding
+        stats = collective.all_sum(torch.stack([small_sum, count, elements, global_t]))
         small_sum, count, elements, global_sum = stats.tolist()
-        world = collective.world_size()
         local_sq = small_sum / count if count else float("nan")
         b_local = elements / count if count else 0.0
-        global_sq = global_sum / world
-        return self.estimator.update(local_sq, global_sq, b_local, float(n_total), use=update)
+        return self.estimator.update(local_sq, global_sum / collective.world_size(), b_local, float(n_total),
+                                     use=update)
 
     def close(self) -> None:
         for handle in getattr(self.probe, "handles", ()):

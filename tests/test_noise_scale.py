@@ -1,0 +1,281 @@
+"""Gradient noise scale and the adaptive factor, on real gloo processes (2 and 3 ranks) and in one process.
+
+The measured inputs (gns_local_sq, gns_global_sq, gns_b_local, gns_b_global) are compared with a plain-torch
+reference computed here: per window, each rank's own mean gradient over its elements and the global one, taken with
+autograd on the reference model, which is trained with the window's global mean gradient. Adaptive runs: decisions
+equal on every rank, changes only where the rule allows, resume mid-epoch repeats them bit for bit.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import cases
+from distributed import attempt, spawn
+
+# partial windows: 10 micro-batches a rank (last one short and different per rank), factors 2 then 3 (3,3,3,1)
+REG = cases.Case("gns-regression", {0: 2, 1: 3}, epochs=2, samples=(37, 39, 38))
+# token counts differ per micro-batch and rank; clipping on (the inputs are taken before clipping)
+TOK = cases.Case("gns-tokens", {0: 3}, epochs=2, samples=(26, 27, 25), kind="tokens", optimizer="adamw", clip=0.5)
+ADAPT = cases.Case("adaptive", 1, epochs=4, samples=(40, 38, 39))
+ADAPTIVE = {"min_factor": 1, "max_factor": 8, "every_n_steps": 2, "ema": 0.8, "hysteresis": 0.25}
+STOP_AFTER = 3  # resume: stop requested after step 3, taken after step 4 (mid-epoch 1; a decision follows)
+FIELDS = ("gns_local_sq", "gns_global_sq", "gns_b_local", "gns_b_global")
+
+
+def _engine(case, model, world, **kwargs):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from accum_sched import AccumulationEngine
+
+    wrapped = DDP(model) if world > 1 else model
+    schedule = kwargs.pop("schedule", case.schedule)
+    return AccumulationEngine(wrapped, cases.make_optimizer(case, model), schedule, max_grad_norm=case.clip,
+                              **kwargs)
+
+
+def _train(case, rank, world, engine, epochs=None, start=0):
+    loss_fn = cases.loss_fn_for(case.kind)
+    for epoch in range(start, case.epochs if epochs is None else epochs):
+        engine.train_epoch(cases.rank_batches(case, rank, epoch), loss_fn, epoch)
+        if engine.should_stop:
+            break
+
+
+def _ranks(rank: int, world: int, out_dir: str, resume: bool) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from accum_sched import AccumulationEngine
+
+    report = {}
+
+    def measure(case, **kwargs):
+        model = cases.make_model(case)
+        engine = _engine(case, model, world, noise_scale=True, **kwargs)
+        lines = []
+        engine.on_step(lambda info: lines.append(info.to_dict()))
+        _train(case, rank, world, engine)
+        return {"lines": lines, "params": [p.tolist() for p in model.parameters()]}
+
+    report["regression"] = attempt(lambda: measure(REG, micro_batch_size=REG.micro))  # prescaled losses
+    report["tokens"] = attempt(lambda: measure(TOK))
+
+    def adaptive_run(stop_after=None):
+        model = cases.make_model(ADAPT)
+        engine = _engine(ADAPT, model, world, schedule=1, adaptive=dict(ADAPTIVE), micro_batch_size=ADAPT.micro)
+        lines = []
+        engine.on_step(lambda info: lines.append(info.to_dict()))
+        if stop_after is not None:
+            engine.on_step(lambda info: engine.request_stop() if info.step == stop_after else None)
+        _train(ADAPT, rank, world, engine)
+        return model, engine, lines
+
+    def adaptive():
+        model, engine, lines = adaptive_run()
+        return {"lines": lines, "params": [p.tolist() for p in model.parameters()]}
+
+    report["adaptive"] = attempt(adaptive)
+
+    def resumed():
+        model, engine, lines = adaptive_run(STOP_AFTER)
+        buffer = io.BytesIO()
+        torch.save({"engine": engine.state_dict(), "model": model.state_dict(),
+                    "optimizer": engine.backend.optimizer.state_dict()}, buffer)
+        stopped_at = [engine.epoch_index, engine.micro_in_epoch]
+        buffer.seek(0)
+        state = torch.load(buffer)
+        model = cases.make_model(ADAPT)
+        model.load_state_dict(state["model"])
+        optimizer = cases.make_optimizer(ADAPT, model)
+        optimizer.load_state_dict(state["optimizer"])
+        engine = AccumulationEngine(DDP(model), optimizer, adaptive=dict(ADAPTIVE), micro_batch_size=ADAPT.micro)
+        engine.load_state_dict(state["engine"])
+        engine.on_step(lambda info: lines.append(info.to_dict()))
+        _train(ADAPT, rank, world, engine, start=engine.epoch_index)
+        return {"lines": lines, "params": [p.tolist() for p in model.parameters()], "stopped_at": stopped_at}
+
+    if resume:
+        report["resumed"] = attempt(resumed)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def _launch(world: int, tmp_path_factory, resume: bool):
+    out = str(tmp_path_factory.mktemp(f"gns{world}"))
+    spawn(_ranks, world, out, resume, deadline_s=600)
+    reports = []
+    for rank in range(world):
+        with open(os.path.join(out, f"rank{rank}.json")) as f:
+            reports.append(json.load(f))
+    return reports
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return _launch(2, tmp_path_factory, resume=True)
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    return _launch(3, tmp_path_factory, resume=False)
+
+
+# -- the plain-torch reference ----------------------------------------------------------------------------------
+def _flat_grad(model, loss):
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).double()
+                      for g, p in zip(grads, model.parameters())])
+
+
+def reference_inputs(case, world: int, per_rank_windows=None):
+    """Per window: the four inputs, from per-rank sums of element losses, and the model trained on the global mean.
+
+    ``per_rank_windows``: the micro-batch indices of each window treated as a small batch (one process: each
+    micro-batch on its own); by default each rank's share of the window is one small batch."""
+    model = cases.make_model(case)
+    optimizer = cases.make_optimizer(case, model)
+    schedule = cases.AccumulationSchedule(case.schedule)
+    expected = []
+    for epoch in range(case.epochs):
+        batches = [cases.rank_batches(case, r, epoch) for r in range(world)]
+        n = min(len(b) for b in batches)
+        start = 0
+        while start < n:
+            size = min(schedule.factor(epoch), n - start)
+            small = []  # (sum of gradients, elements) of each small batch
+            for r in range(world):
+                groups = [[i] for i in range(start, start + size)] if per_rank_windows else [range(start, start + size)]
+                for group in groups:
+                    total, count = 0.0, 0
+                    for i in group:
+                        losses, valid = cases.element_losses(model, batches[r][i], case.kind)
+                        total = total + (losses * valid).sum()
+                        count += int(valid.sum())
+                    small.append((_flat_grad(model, total), count))
+            big = sum(g for g, _ in small) / sum(c for _, c in small)
+            expected.append({
+                "gns_local_sq": sum(float((g / c).square().sum()) for g, c in small) / len(small),
+                "gns_global_sq": float(big.square().sum()),
+                "gns_b_local": sum(c for _, c in small) / len(small),
+                "gns_b_global": sum(c for _, c in small)})
+            offset = 0
+            for p in model.parameters():
+                p.grad = big[offset:offset + p.numel()].view_as(p).float().clone()
+                offset += p.numel()
+            if case.clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+            optimizer.step()
+            optimizer.zero_grad()
+            start += size
+    return expected, [p.detach() for p in model.parameters()]
+
+
+def _check_inputs(lines, expected):
+    assert len(lines) == len(expected)
+    for step, (line, ref) in enumerate(zip(lines, expected), 1):
+        for key in FIELDS:
+            assert line[key] == pytest.approx(ref[key], rel=2e-5, abs=1e-9), (step, key, line[key], ref[key])
+        # the estimates are McCandlish App. A.1 of exactly these inputs
+        b_small, b_big, small, big = line["gns_b_local"], line["gns_b_global"], line["gns_local_sq"], \
+            line["gns_global_sq"]
+        assert line["gns_grad_sq"] == pytest.approx((b_big * big - b_small * small) / (b_big - b_small), rel=1e-9)
+        assert line["gns_trace"] == pytest.approx((small - big) / (1 / b_small - 1 / b_big), rel=1e-9)
+        if line["gns_grad_sq_ema"] > 0:
+            assert line["noise_scale"] == pytest.approx(line["gns_trace_ema"] / line["gns_grad_sq_ema"], rel=1e-9)
+        else:  # no noise scale while the smoothed |G|^2 is not positive
+            assert line["noise_scale"] is None
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", [REG, TOK], ids=["regression-prescaled", "tokens-clipped"])
+def test_measured_inputs_equal_plain_torch(world, case, two, three):
+    reports = {2: two, 3: three}[world]
+    expected, ref_params = reference_inputs(case, world)
+    key = "regression" if case is REG else "tokens"
+    for rank, report in enumerate(reports):
+        seen = report[key]
+        assert seen["error"] is None, seen["error"]
+        _check_inputs(seen["result"]["lines"], expected)
+        for got, want in zip(seen["result"]["params"], ref_params):
+            torch.testing.assert_close(torch.tensor(got), want, atol=1e-5, rtol=1e-4)
+    assert any(line["micro_batches"] < line["factor"] for line in reports[0][key]["result"]["lines"])
+
+
+def test_one_process_takes_the_micro_batches_as_small_batches():
+    model = cases.make_model(REG)
+    engine = _engine(REG, model, 1, noise_scale=True, micro_batch_size=REG.micro)
+    lines = []
+    engine.on_step(lambda info: lines.append(info.to_dict()))
+    _train(REG, 0, 1, engine)
+    expected, _ = reference_inputs(REG, 1, per_rank_windows=True)
+    _check_inputs([x for x in lines if x["micro_batches"] > 1], [e for e, x in zip(expected, lines)
+                                                                 if x["micro_batches"] > 1])
+    single = [x for x in lines if x["micro_batches"] == 1]  # B_small = B_big: no estimate, the EMAs carry on
+    assert single and all(x["gns_grad_sq"] is None and x["gns_trace"] is None for x in single)
+
+
+def _brute_best(noise_scale, per_factor, low, high):
+    return min(range(low, high + 1), key=lambda f: (abs(math.log(f * per_factor / noise_scale)), f))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_adaptive_decisions_agree_on_every_rank_and_follow_the_rule(world, two, three):
+    reports = {2: two, 3: three}[world]
+    runs = []
+    for report in reports:
+        assert report["adaptive"]["error"] is None, report["adaptive"]["error"]
+        runs.append(report["adaptive"]["result"]["lines"])
+    keys = ("factor", "factor_reason", "noise_scale", "gns_local_sq", "gns_global_sq")
+    for other in runs[1:]:
+        assert [[x[k] for k in keys] for x in other] == [[x[k] for k in keys] for x in runs[0]]
+    lines = runs[0]
+    factors = [x["factor"] for x in lines]
+    assert len(set(factors)) > 1, factors  # the factor did move
+    every, hyst = ADAPTIVE["every_n_steps"], ADAPTIVE["hysteresis"]
+    for i in range(1, len(lines)):
+        prev, line = lines[i - 1], lines[i]
+        assert line["micro_batches"] <= line["factor"]
+        if line["factor"] != prev["factor"]:
+            assert prev["step"] % every == 0, (prev["step"], line)  # only at a decision boundary
+        if prev["step"] % every == 0 and prev["noise_scale"] is not None:  # a decision: the log-nearest factor, unless within hysteresis
+            window = lines[i - every:i]
+            per_factor = sum(x["elements"] for x in window) / sum(x["micro_batches"] for x in window)
+            best = _brute_best(prev["noise_scale"], per_factor, ADAPTIVE["min_factor"], ADAPTIVE["max_factor"])
+            off = prev["noise_scale"] / (prev["factor"] * per_factor)
+            if line["factor"] == prev["factor"]:
+                assert best == prev["factor"] or 1 / (1 + hyst) <= off <= 1 + hyst, (prev, line, best)
+            else:
+                assert line["factor"] == best and not 1 / (1 + hyst) <= off <= 1 + hyst, (prev, line, best)
+            assert line["factor_reason"].startswith(f"step {prev['step']}:"), line["factor_reason"]
+
+
+def test_resume_mid_run_repeats_the_decisions_bit_for_bit(two):
+    for report in two:
+        straight, resumed = report["adaptive"], report["resumed"]
+        assert resumed["error"] is None, resumed["error"]
+        epoch, micro = resumed["result"]["stopped_at"]
+        assert micro > 0, resumed["result"]["stopped_at"]  # stopped inside an epoch
+        assert len({x["factor"] for x in straight["result"]["lines"][STOP_AFTER + 1:]}) > 1  # decisions after it
+        assert resumed["result"]["lines"] == straight["result"]["lines"]  # floats compared exactly
+        assert resumed["result"]["params"] == straight["result"]["params"]
+
+
+def test_refused_where_the_local_gradient_is_not_at_hand():
+    from accum_sched import AccumulationEngine
+    from accum_sched.adaptive import AdaptiveFactor
+
+    model = cases.make_model(REG)
+    optimizer = cases.make_optimizer(REG, model)
+    with pytest.raises(ValueError, match="normalize='elements'"):
+        AccumulationEngine(model, optimizer, 2, noise_scale=True, normalize="micro_batches")
+    with pytest.raises(ValueError, match="adascale"):
+        AccumulationEngine(model, optimizer, 2, lr_coupling="adascale")
+    with pytest.raises(ValueError, match="not both"):
+        AccumulationEngine(model, optimizer, 2, adaptive={"min_factor": 2})
+    with pytest.raises(ValueError, match="max_factor"):
+        AdaptiveFactor(min_factor=4, max_factor=2)
