@@ -279,3 +279,82 @@ def test_refused_where_the_local_gradient_is_not_at_hand():
         AccumulationEngine(model, optimizer, 2, adaptive={"min_factor": 2})
     with pytest.raises(ValueError, match="max_factor"):
         AdaptiveFactor(min_factor=4, max_factor=2)
+
+
+# -- the launcher: config checks, a run killed and resumed by torchrun, the report ---------------------------------
+ADAPTIVE_RUN = """\
+run: {{output_dir: {out}, seed: 0, epochs: 3}}
+task: {{target: "faulty_tasks:regression", args: {{dropout: 0.1}}}}
+data: {{micro_batch_size: 4, shuffle: true}}
+accumulation: {{adaptive: {{min_factor: 1, max_factor: 8, every_n_steps: 4, ema: 0.8}}}}
+optimizer: {{name: adamw, lr: 0.01}}
+lr_scheduler: null
+distributed: {{backend: ddp, nproc_per_node: 2}}
+checkpoint: {{every_n_steps: 4, keep_last: 2}}
+logging: {{progress: plain, tensorboard: "off"}}
+"""
+
+
+def test_config_refuses_what_cannot_be_measured_or_planned():
+    import yaml
+
+    from launcher.config import validate
+    from launcher.errors import ConfigError
+
+    base = yaml.safe_load(ADAPTIVE_RUN.format(out="x"))
+    cases_ = [({"accumulation": {"schedule": 2}}, "accumulation.schedule"),
+              ({"lr_scheduler": {"name": "cosine"}}, "lr_scheduler.name"),
+              ({"accumulation": {"normalize": "micro_batches"}}, "accumulation.adaptive"),
+              ({"accumulation": {"adaptive": {"min_factor": 4, "max_factor": 2}}}, "accumulation.adaptive.max_factor"),
+              ({"accumulation": {"adaptive": {"ema": 1.0}}}, "accumulation.adaptive.ema"),
+              ({"accumulation": {"adaptive": {"evry_n_steps": 3}}}, "accumulation.adaptive.evry_n_steps"),
+              ({"accumulation": {"adaptive": None, "lr_coupling": "adascale"}}, "accumulation.lr_coupling"),
+              ({"accumulation": {"adaptive": None, "noise_scale": True}, "run": {"precision": "fp16"}},
+               "accumulation.noise_scale"),
+              ({"accumulation": {"adaptive": None, "noise_scale": True}, "distributed": {
+                  "backend": "deepspeed", "deepspeed_config": {"zero_optimization": {"stage": 0}}}},
+               "accumulation.noise_scale")]
+    for change, field in cases_:
+        raw = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+        for section, values in change.items():
+            raw[section] = {**(raw.get(section) or {}), **values}
+        with pytest.raises(ConfigError) as info:
+            validate(raw)
+        assert info.value.field == field, (change, str(info.value))
+    validate(base)
+
+
+def test_run_killed_and_resumed_repeats_the_adaptive_run_and_reports_it(tmp_path):
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(tests)
+
+    def accum(*args, fault=None):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FAULT_")}
+        env.update(PYTHONPATH=root + os.pathsep + env.get("PYTHONPATH", ""), **(fault or {}))
+        proc = subprocess.run([sys.executable, "-m", "launcher", *args], cwd=tests, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        return proc.stdout + proc.stderr
+
+    def metrics(name):
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            return [{k: v for k, v in json.loads(line).items() if k != "wall_time"} for line in f]
+
+    for name in ("ref", "killed"):
+        (tmp_path / f"{name}.yaml").write_text(ADAPTIVE_RUN.format(out=tmp_path / name))
+    accum("run", str(tmp_path / "ref.yaml"))
+    marker = tmp_path / "marker"
+    fault = {"FAULT_MODE": "kill", "FAULT_RANK": "1", "FAULT_AT": "80", "FAULT_MARKER": str(marker)}  # in epoch 2
+    text = accum("run", str(tmp_path / "killed.yaml"), "--max-restarts", "1", fault=fault)
+    assert marker.exists() and "resumed from " in text
+    ref, killed = metrics("ref"), metrics("killed")
+    assert len({x["factor"] for x in ref}) > 2 and all("factor_reason" in x for x in ref)
+    assert all(isinstance(x[k], float) for x in ref for k in FIELDS)
+    assert json.dumps(killed) == json.dumps(ref)  # every decision, estimate and loss, bit for bit
+    a, b = (torch.load(tmp_path / n / "model.pt", weights_only=True) for n in ("ref", "killed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    report = accum("report", str(tmp_path / "killed"))
+    assert "noise scale       " in report and (tmp_path / "killed" / "noise_scale.png").stat().st_size > 10_000
