@@ -114,7 +114,7 @@ class AccumulationEngine:
             ``"adascale"`` (AdaScale's gain from the measured noise scale; needs ``noise_scale``). Applied to each
             optimizer step on top of the LR scheduler, which never sees it.
         noise_scale: measure the gradient noise scale of every window (accum_sched.noise_scale): the gns_* fields
-            of :class:`StepInfo`. DDP (several ranks) or one process; not DeepSpeed, fp16 or
+            of :class:`StepInfo`. DDP, one process, or DeepSpeed ZeRO-0 in fp32; not fp16 or
             ``normalize="micro_batches"``.
         adaptive: an :class:`~accum_sched.adaptive.AdaptiveFactor` (or a mapping of its arguments) that picks the
             factor from the noise scale instead of ``schedule`` (which must stay the default 1); implies
@@ -222,16 +222,11 @@ class AccumulationEngine:
         """The noise-scale measurement (accum_sched.noise_scale), refused where the local gradient is not at hand."""
         from accum_sched.noise_scale import WindowNoise
 
-        if type(self.backend).__name__ == "DeepSpeedBackend":
-            raise ValueError("noise_scale is not measured with DeepSpeed yet (its gradient all-reduce happens inside "
-                             "DeepSpeed, where the local gradient is not handed out); use DDP")
         if self.normalize != "elements":
             raise ValueError("noise_scale needs normalize='elements' (the estimator works on per-element means)")
         if self.precision == "fp16":
             raise ValueError("noise_scale is not measured under fp16 (loss-scaled local gradients); use bf16 or fp32")
-        ema = self.adaptive.ema if self.adaptive is not None else 0.95
-        params = [p for group in self.backend.optimizer.param_groups for p in group["params"]]
-        return WindowNoise(self.backend, params, ema)
+        return WindowNoise(self.backend, self.adaptive.ema if self.adaptive is not None else 0.95)
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def autocast(self):
@@ -424,7 +419,6 @@ class AccumulationEngine:
         if self.adaptive is not None:  # decides the next window's factor from all-reduced numbers only
             reason = self.adaptive.reason
             self.adaptive.after_window(self.optimizer_steps, noise["noise_scale"], n_total, size)
-            self.factor = self.adaptive.factor
         self._win_loss = self._win_n = None
         self._win_samples = 0
         self._stats = self._stats_work = None

@@ -130,7 +130,24 @@ class _Probe:
         return out
 
 
-class BucketProbe(_Probe):
+class _WindowProbe(_Probe):
+    """One small batch per rank and window: ``local`` is filled with per-parameter squared norms of this rank's
+    accumulated gradient during the window's last backward, summed in parameter order at its end."""
+
+    def __init__(self):
+        super().__init__()
+        self.local: dict[int, torch.Tensor] = {}
+        self._window_n = None
+
+    def after_backward(self, n: torch.Tensor, multiplier: float, boundary: bool) -> None:
+        self._window_n = n if self._window_n is None else self._window_n + n.to(self._window_n.device)
+        if boundary:
+            local, self.local = self.local, {}
+            self._add([local[i] for i in sorted(local)], self._window_n, multiplier)
+            self._window_n = None
+
+
+class BucketProbe(_WindowProbe):
     """DDP: one small batch per rank and window, from the buckets' gradients before their all-reduce.
 
     Norms are taken per parameter (the bucket's views) and summed in parameter order, for the local and for the
@@ -141,9 +158,7 @@ class BucketProbe(_Probe):
     def __init__(self, backend):
         super().__init__()
         self.index = {id(p): i for i, p in enumerate(backend.model.parameters())}
-        self.local: dict[int, torch.Tensor] = {}
         self.reduced: dict[int, torch.Tensor] = {}
-        self._window_n = None
         if not backend.observe_buckets(self._before, self._after):
             raise ValueError("noise_scale needs accum_sched's DDP comm hook (count_allreduce=True and no comm hook "
                              "of your own): the local gradient is read from each bucket before its all-reduce")
@@ -157,13 +172,6 @@ class BucketProbe(_Probe):
         for param in bucket.parameters():
             self.reduced[self.index[id(param)]] = _squared_norm(reduced[offset:offset + param.numel()])
             offset += param.numel()
-
-    def after_backward(self, n: torch.Tensor, multiplier: float, boundary: bool) -> None:
-        self._window_n = n if self._window_n is None else self._window_n + n.to(self._window_n.device)
-        if boundary:
-            local, self.local = self.local, {}
-            self._add([local[i] for i in sorted(local)], self._window_n, multiplier)
-            self._window_n = None
 
     def global_sq(self, multiplier: float) -> torch.Tensor | None:
         """|sum over ranks of the window's gradients|^2 x ``multiplier``^2, from the reduced buckets; resets."""
@@ -189,15 +197,50 @@ class MicroBatchProbe(_Probe):
         self._add(squares, n, multiplier)
 
 
+class AccumulatedGradProbe(_WindowProbe):
+    """DeepSpeed ZeRO-0 in fp32: DeepSpeed all-reduces ``.grad`` after the window's last backward has finished, so
+    a post-accumulate-grad hook on every parameter sees this rank's accumulated gradient just before. The hooks do
+    nothing off the boundary (DeepSpeed's back end knows, from ``sync_context``, which micro-batch closes the window).
+    """
+
+    def __init__(self, backend, params):
+        super().__init__()
+        self.backend = backend
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)
+                        if p.requires_grad]
+
+    def _hook(self, index: int):
+        def accumulated(param):
+            if self.backend._boundary:
+                self.local[index] = _squared_norm(param.grad)
+        return accumulated
+
+
+def _deepspeed_params(backend) -> list:
+    """The DeepSpeed module's parameters, when its local gradient is at hand; ValueError otherwise."""
+    ds = backend.ds
+    stage = int(ds.zero_optimization_stage())
+    if stage != 0 or ds.bfloat16_enabled() or ds.fp16_enabled():
+        raise ValueError(f"noise_scale with DeepSpeed needs ZeRO stage 0 in fp32 (this engine: stage {stage}"
+                         f"{', bf16' if ds.bfloat16_enabled() else ''}{', fp16' if ds.fp16_enabled() else ''}): "
+                         f"elsewhere DeepSpeed reduces or partitions the gradient where the local one is not handed "
+                         f"out; use stage 0 or the DDP back end")
+    return list(ds.module.parameters())
+
+
 class WindowNoise:
     """What the engine holds with ``noise_scale=True``: the probe of its back end, and the EMAs."""
 
-    def __init__(self, backend, params, ema: float = 0.95):
+    def __init__(self, backend, ema: float = 0.95):
         self.estimator = NoiseScale(ema)
-        if backend.world_size > 1:
-            self.probe = BucketProbe(backend)
-        else:
+        deepspeed = type(backend).__name__ == "DeepSpeedBackend"
+        params = _deepspeed_params(backend) if deepspeed else list(backend.model.parameters())
+        if backend.world_size == 1:
             self.probe = MicroBatchProbe(params)
+        elif deepspeed:
+            self.probe = AccumulatedGradProbe(backend, params)
+        else:
+            self.probe = BucketProbe(backend)
 
     def after_backward(self, n: torch.Tensor, multiplier: float, boundary: bool) -> None:
         self.probe.after_backward(n, multiplier, boundary)

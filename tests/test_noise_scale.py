@@ -7,6 +7,7 @@ equal on every rank, changes only where the rule allows, resume mid-epoch repeat
 """
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import math
@@ -26,6 +27,7 @@ ADAPT = cases.Case("adaptive", 1, epochs=4, samples=(40, 38, 39))
 ADAPTIVE = {"min_factor": 1, "max_factor": 8, "every_n_steps": 2, "ema": 0.8, "hysteresis": 0.25}
 STOP_AFTER = 3  # resume: stop requested after step 3, taken after step 4 (mid-epoch 1; a decision follows)
 FIELDS = ("gns_local_sq", "gns_global_sq", "gns_b_local", "gns_b_global")
+HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
 def _engine(case, model, world, **kwargs):
@@ -101,11 +103,42 @@ def _ranks(rank: int, world: int, out_dir: str, resume: bool) -> None:
 
     if resume:
         report["resumed"] = attempt(resumed)
+        if HAVE_DEEPSPEED:
+            report["deepspeed"] = attempt(lambda: _deepspeed(rank, REG, 0))
+            report["deepspeed-z2"] = attempt(lambda: _deepspeed(rank, REG, 2))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
 
 
+def _deepspeed(rank, case, stage):
+    """The case under DeepSpeed (client optimizer, fp32, our engine's clipping) with noise_scale on."""
+    import logging
+
+    import deepspeed
+    from deepspeed.utils import logger as ds_logger
+
+    from accum_sched import AccumulationEngine
+
+    os.environ["LOCAL_RANK"] = str(rank)  # DeepSpeed insists on it
+    ds_logger.setLevel(logging.WARNING)
+    model = cases.make_model(case)
+    config = {"train_micro_batch_size_per_gpu": case.micro, "gradient_accumulation_steps": 2,
+              "train_batch_size": case.micro * 2 * 2, "zero_optimization": {"stage": stage},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "gradient_clipping": 0.0}
+    ds_engine, *_ = deepspeed.initialize(model=model, optimizer=cases.make_optimizer(case, model), config=config)
+    engine = AccumulationEngine(ds_engine, None, case.schedule, max_grad_norm=case.clip, noise_scale=True)
+    lines = []
+    engine.on_step(lambda info: lines.append(info.to_dict()))
+    _train(case, rank, 2, engine)
+    return {"lines": lines, "params": [p.tolist() for p in model.parameters()]}
+
+
 def _launch(world: int, tmp_path_factory, resume: bool):
+    if resume and HAVE_DEEPSPEED:
+        from accum_sched.deepspeed_backend import ensure_torch_extensions_dir
+
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        ensure_torch_extensions_dir()
     out = str(tmp_path_factory.mktemp(f"gns{world}"))
     spawn(_ranks, world, out, resume, deadline_s=600)
     reports = []
@@ -204,6 +237,19 @@ def test_measured_inputs_equal_plain_torch(world, case, two, three):
         for got, want in zip(seen["result"]["params"], ref_params):
             torch.testing.assert_close(torch.tensor(got), want, atol=1e-5, rtol=1e-4)
     assert any(line["micro_batches"] < line["factor"] for line in reports[0][key]["result"]["lines"])
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed")
+def test_deepspeed_zero0_measures_the_same_inputs_and_other_stages_are_refused(two):
+    expected, ref_params = reference_inputs(REG, 2)
+    for report in two:
+        seen = report["deepspeed"]
+        assert seen["error"] is None, seen["error"]
+        _check_inputs(seen["result"]["lines"], expected)
+        for got, want in zip(seen["result"]["params"], ref_params):
+            torch.testing.assert_close(torch.tensor(got), want, atol=1e-5, rtol=1e-4)
+        error = report["deepspeed-z2"]["error"]
+        assert error is not None and error[0] == "ValueError" and "ZeRO stage 0" in error[1], error
 
 
 def test_one_process_takes_the_micro_batches_as_small_batches():
@@ -312,8 +358,9 @@ def test_config_refuses_what_cannot_be_measured_or_planned():
               ({"accumulation": {"adaptive": None, "noise_scale": True}, "run": {"precision": "fp16"}},
                "accumulation.noise_scale"),
               ({"accumulation": {"adaptive": None, "noise_scale": True}, "distributed": {
-                  "backend": "deepspeed", "deepspeed_config": {"zero_optimization": {"stage": 0}}}},
-               "accumulation.noise_scale")]
+                  "backend": "deepspeed", "deepspeed_config": {"zero_optimization": {"stage": 2}}}},
+               "accumulation.noise_scale"),
+              ({"distributed": {"backend": "deepspeed", "deepspeed_config": {}}}, "accumulation.adaptive")]
     for change, field in cases_:
         raw = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
         for section, values in change.items():
