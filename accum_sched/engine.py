@@ -158,7 +158,7 @@ class AccumulationEngine:
         self.backend = make_backend(model, optimizer, lr_scheduler, scaler, count_allreduce)
         self.world_size = self.backend.world_size
         self.callbacks: list[Callable[[StepInfo], None]] = []
-        self.noise = self._make_noise(adaptive) if noise_scale else None
+        self.noise = self._make_noise() if noise_scale else None
 
         # position and counters (all identical on every rank; see state_dict)
         self.epoch_index = 0  # the epoch to run next (or running)
@@ -218,7 +218,7 @@ class AccumulationEngine:
         """The factor of the window starting now: the adaptive controller's, or the schedule's."""
         return (self.adaptive or self.schedule).factor_for(self._position())
 
-    def _make_noise(self, adaptive):
+    def _make_noise(self):
         """The noise-scale measurement (accum_sched.noise_scale), refused where the local gradient is not at hand."""
         from accum_sched.noise_scale import WindowNoise
 

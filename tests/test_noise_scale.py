@@ -66,6 +66,8 @@ def _ranks(rank: int, world: int, out_dir: str, resume: bool) -> None:
 
     report["regression"] = attempt(lambda: measure(REG, micro_batch_size=REG.micro))  # prescaled losses
     report["tokens"] = attempt(lambda: measure(TOK))
+    if resume:
+        report["adascale"] = attempt(lambda: measure(ADAPT, schedule={0: 1, 1: 3}, lr_coupling="adascale"))
 
     def adaptive_run(stop_after=None):
         model = cases.make_model(ADAPT)
@@ -263,6 +265,20 @@ def test_one_process_takes_the_micro_batches_as_small_batches():
                                                                  if x["micro_batches"] > 1])
     single = [x for x in lines if x["micro_batches"] == 1]  # B_small = B_big: no estimate, the EMAs carry on
     assert single and all(x["gns_grad_sq"] is None and x["gns_trace"] is None for x in single)
+
+
+def test_adascale_gain_scales_the_lr_of_each_step(two):
+    for report in two:
+        assert report["adascale"]["error"] is None, report["adascale"]["error"]
+        gains = []
+        for x in report["adascale"]["result"]["lines"]:
+            b_noise, batch = x["noise_scale"], x["gns_b_global"]
+            base = batch * 1 / x["micro_batches"]  # the first factor (1) at this window's elements per micro-batch
+            gain = 1.0 if b_noise is None or b_noise <= 0 else (b_noise / base + 1) / (b_noise / batch + 1)
+            assert x["lr"] == pytest.approx(ADAPT.lr * gain, rel=1e-12), x
+            assert 1.0 - 1e-12 <= gain <= x["micro_batches"] + 1e-12  # between 1 and B / B0
+            gains.append(gain)
+        assert max(gains) > 1.05, gains
 
 
 def _brute_best(noise_scale, per_factor, low, high):
