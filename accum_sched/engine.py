@@ -226,6 +226,9 @@ class AccumulationEngine:
             raise ValueError("noise_scale needs normalize='elements' (the estimator works on per-element means)")
         if self.precision == "fp16":
             raise ValueError("noise_scale is not measured under fp16 (loss-scaled local gradients); use bf16 or fp32")
+        if self.adaptive is not None and self.world_size == 1 and self.adaptive.min_factor < 2:
+            raise ValueError("adaptive in one process needs min_factor >= 2: the noise scale is estimated from the "
+                             "micro-batches of a window, and a window of one micro-batch has a single batch size")
         return WindowNoise(self.backend, self.adaptive.ema if self.adaptive is not None else 0.95)
 
     # -- the loop -----------------------------------------------------------------------------------------------

@@ -43,7 +43,11 @@ def check(cfg) -> None:
     adaptive = acc.adaptive
     measuring = acc.noise_scale or adaptive is not None
     if adaptive is not None:
-        adaptive_settings(adaptive)
+        settings = adaptive_settings(adaptive)
+        if cfg.world_size == 1 and settings["min_factor"] < 2:
+            raise ConfigError("accumulation.adaptive.min_factor", "1 gives no noise-scale estimate in one process (it "
+                              "compares the micro-batches of a window, and a window of one has a single batch size)",
+                              "set min_factor: 2, or run on several ranks")
         for key in ("schedule", "global_batch"):
             if acc.get(key) is not None:
                 raise ConfigError(f"accumulation.{key}", "is given together with accumulation.adaptive",

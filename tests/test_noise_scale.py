@@ -341,6 +341,8 @@ def test_refused_where_the_local_gradient_is_not_at_hand():
         AccumulationEngine(model, optimizer, 2, adaptive={"min_factor": 2})
     with pytest.raises(ValueError, match="max_factor"):
         AdaptiveFactor(min_factor=4, max_factor=2)
+    with pytest.raises(ValueError, match="min_factor >= 2"):
+        AccumulationEngine(model, optimizer, adaptive={"min_factor": 1})
 
 
 # -- the launcher: config checks, a run killed and resumed by torchrun, the report ---------------------------------
@@ -376,7 +378,8 @@ def test_config_refuses_what_cannot_be_measured_or_planned():
               ({"accumulation": {"adaptive": None, "noise_scale": True}, "distributed": {
                   "backend": "deepspeed", "deepspeed_config": {"zero_optimization": {"stage": 2}}}},
                "accumulation.noise_scale"),
-              ({"distributed": {"backend": "deepspeed", "deepspeed_config": {}}}, "accumulation.adaptive")]
+              ({"distributed": {"backend": "deepspeed", "deepspeed_config": {}}}, "accumulation.adaptive"),
+              ({"distributed": {"nproc_per_node": 1}}, "accumulation.adaptive.min_factor")]
     for change, field in cases_:
         raw = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
         for section, values in change.items():
