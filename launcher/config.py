@@ -95,6 +95,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "force_resume": Field("bool", False),
         # resuming on another world size: error | keep_global_batch | keep_factor (notes/checkpoint.md)
         "on_world_change": Field("str", "error", choices=("error", "keep_global_batch", "keep_factor")),
+        # how long ranks wait while rank 0 writes, hashes or verifies a checkpoint (launcher/coordination.py)
+        "timeout_s": Field("int", 3600, check=_at_least(10)),
     },
     "logging": {
         "progress": Field("str", "auto", choices=("auto", "bar", "plain", "none")),
