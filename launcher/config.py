@@ -276,9 +276,11 @@ def validate(raw: dict) -> Config:
     cfg = Config(sections)
     _cross_check(cfg)
     if cfg.distributed.backend == "deepspeed":
-        from launcher import deepspeed_setup  # its JSON may hold the schedule (torch-free, like this module)
+        from launcher import deepspeed_setup  # its JSON may hold the schedule (torch-free; it never imports us)
 
-        cfg = deepspeed_setup.resolve(cfg)
+        raw = deepspeed_setup.resolved_raw(cfg)
+        if raw is not None:
+            cfg = validate(raw)
     return cfg
 
 
