@@ -267,7 +267,12 @@ def _spawn_nccl(fn, world: int, out: str) -> None:
 
 def check_resume(s: Smoke) -> None:
     every = {"every_n_steps": 2}
-    ref = s.accum("run", s.config("resume-ref", checkpoint=every))
+    # factors that stay whole when one rank fewer keeps the global batch (x world / (world - 1))
+    unit = max(1, s.world - 1)
+    schedule = {"accumulation": {"schedule": {0: unit, 2: 2 * unit}}}
+    per_rank = -(-(-(-1000 // s.world)) // 16)  # micro-batches per rank per epoch (1000 samples, micro 16)
+    kill_at = str(per_rank * 4 // 2 + 1)  # rank 0 dies half-way through the 4 epochs, mid-window when factor > 1
+    ref = s.accum("run", s.config("resume-ref", checkpoint=every, **schedule))
     if ref.returncode:
         return s.record("resume", False, f"uninterrupted run failed: {tail(ref)}")
     want = s.model("resume-ref")
@@ -277,8 +282,8 @@ def check_resume(s: Smoke) -> None:
             gaps.append(f"{name}: skipped (one GPU)")
             continue
         marker = os.path.join(s.out, f"killed-{name}")
-        cfg = s.config(f"resume-{name}", checkpoint={**every, "on_world_change": "keep_global_batch"})
-        first = s.accum("run", cfg, SMOKE_KILL_MARKER=marker, SMOKE_KILL_AT="40")
+        cfg = s.config(f"resume-{name}", checkpoint={**every, "on_world_change": "keep_global_batch"}, **schedule)
+        first = s.accum("run", cfg, SMOKE_KILL_MARKER=marker, SMOKE_KILL_AT=kill_at)
         if first.returncode == 0 or not os.path.exists(marker):
             return s.record("resume", False, f"{name}: the kill did not happen ({first.returncode})")
         again = s.accum("run", cfg, "--resume", "auto", "--nproc-per-node", str(world))
@@ -349,7 +354,7 @@ def check_timeout(s: Smoke) -> None:
                            f"--nproc-per-node={s.world}", os.path.abspath(__file__), "--slow-save-worker",
                            "--config", path], cwd=ROOT, capture_output=True, text=True, timeout=900, env=s.env())
     took = time.time() - start
-    s.record("timeout", proc.returncode == 0, f"rank 0 took 20 s per checkpoint under a 10 s group timeout: "
+    s.record("timeout", proc.returncode == 0, f"rank 0 took 20 s over a checkpoint under a 10 s group timeout: "
                                               f"exit {proc.returncode} after {took:.0f} s"
                                               + ("" if proc.returncode == 0 else f"; {tail(proc)}"))
 
@@ -366,7 +371,10 @@ def main() -> int:
     parser.add_argument("--slow-save-worker", action="store_true", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
     if args.slow_save_worker:
-        return slow_save_worker(rest)
+        code = slow_save_worker(rest)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # as launcher.worker does: skip finalization, where gloo's threads may abort the process
     import torch
 
     if not torch.cuda.is_available() and not args.cpu:
