@@ -395,6 +395,9 @@ class Checkpointer:
         # Three phases, each closed by a gather of every rank's error (if any): a rank that fails to write makes
         # all of them raise at once instead of leaving the others waiting in a barrier until the timeout.
         self._together(f"preparing {tmp}", lambda: self._make_tmp(tmp) if self.rank == 0 else None)
+        # every rank sees what rank 0 made (else DeepSpeed shards land on a node's own disk), checked before any rank
+        # enters DeepSpeed's collective save, which a rank that stopped alone would leave hanging
+        self._together(f"preparing {tmp}", lambda: self._must_see(tmp))
         mine = {"now": rng_state(self.device), "epoch_start": self._epoch_start_rng}
         rngs = [None] * self.world
         if self._distributed():
@@ -404,7 +407,6 @@ class Checkpointer:
         engine_state = engine.state_dict()
 
         def write():
-            self._must_see(tmp)  # rank 0 made it: a node that cannot see it would write its shards elsewhere
             if trainer.ds_engine is not None:  # collective: every rank writes its shards under tmp/deepspeed
                 trainer.ds_engine.save_checkpoint(tmp, tag=DS_TAG, save_latest=False)
             if self.rank == 0:
