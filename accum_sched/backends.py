@@ -226,9 +226,14 @@ class DDPBackend(TorchBackend):
         return contextlib.nullcontext() if boundary else self.model.no_sync()
 
 
+def is_deepspeed_engine(model) -> bool:
+    """True for a DeepSpeedEngine (recognised without importing DeepSpeed)."""
+    return type(model).__name__ == "DeepSpeedEngine" or hasattr(model, "set_gradient_accumulation_boundary")
+
+
 def make_backend(model, optimizer=None, lr_scheduler=None, scaler=None, count_allreduce: bool = True):
     """Pick the back end for ``model``: a DeepSpeed engine, a DDP module, or a plain module in one process."""
-    if type(model).__name__ == "DeepSpeedEngine" or hasattr(model, "set_gradient_accumulation_boundary"):
+    if is_deepspeed_engine(model):
         from accum_sched.deepspeed_backend import DeepSpeedBackend
 
         return DeepSpeedBackend(model, optimizer=optimizer, lr_scheduler=lr_scheduler)

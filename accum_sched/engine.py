@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from accum_sched import collective
-from accum_sched.backends import make_backend
+from accum_sched.backends import is_deepspeed_engine, make_backend
 from accum_sched.schedule import AccumulationSchedule, Position
 
 log = logging.getLogger("accum_sched")
@@ -151,7 +151,7 @@ class AccumulationEngine:
         self.lr_coupling = lr_coupling
         self.micro_batch_size = micro_batch_size
         scaler = None
-        if precision == "fp16":
+        if precision == "fp16" and not is_deepspeed_engine(model):  # DeepSpeed's fp16 brings its own loss scaler
             if not torch.cuda.is_available():
                 raise ValueError("precision='fp16' needs a CUDA device (GradScaler); use 'bf16' on CPU")
             scaler = torch.amp.GradScaler("cuda")

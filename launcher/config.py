@@ -99,6 +99,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "force_resume": Field("bool", False),
         # resuming on another world size: error | keep_global_batch | keep_factor (notes/checkpoint.md)
         "on_world_change": Field("str", "error", choices=("error", "keep_global_batch", "keep_factor")),
+        # how long ranks wait while rank 0 writes, hashes or verifies a checkpoint (launcher/coordination.py)
+        "timeout_s": Field("int", 3600, check=_at_least(10)),
     },
     "logging": {
         "progress": Field("str", "auto", choices=("auto", "bar", "plain", "none")),
@@ -278,9 +280,11 @@ def validate(raw: dict) -> Config:
     cfg = Config(sections)
     _cross_check(cfg)
     if cfg.distributed.backend == "deepspeed":
-        from launcher import deepspeed_setup  # its JSON may hold the schedule (torch-free, like this module)
+        from launcher import deepspeed_setup  # its JSON may hold the schedule (torch-free; it never imports us)
 
-        cfg = deepspeed_setup.resolve(cfg)
+        raw = deepspeed_setup.resolved_raw(cfg)
+        if raw is not None:
+            cfg = validate(raw)
     return cfg
 
 

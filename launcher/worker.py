@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler
 
 from accum_sched import AccumulationEngine, AccumulationSchedule
-from launcher import tasks
+from launcher import coordination, tasks
 from launcher.checkpoint import Checkpointer
 from launcher.config import Config, load_config
 from launcher.errors import ConfigError
@@ -84,6 +84,7 @@ def init_distributed(cfg: Config, launch) -> torch.device:
             where = {"store": dist.PrefixStore(f"accum-sched/attempt_{attempt}", store)}
         dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
                                 device_id=device if use_cuda else None, **where)
+        coordination.start(cfg.checkpoint.timeout_s)  # checkpoints wait on gloo, never under NCCL's watchdog
     return device
 
 
