@@ -1,0 +1,82 @@
+"""What the SLURM end-to-end tests share: the demo trained locally (the model every SLURM run of it must equal,
+bit for bit), submitting it with `accum-sched slurm`, reading the job's log, and the probe task that records the
+launch variables each worker sees."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+DEMO = ROOT / "configs" / "demo.yaml"
+DEMO_STEPS = 448  # configs/demo.yaml on 2 workers: 12 epochs of 64 micro-batches, factors 1, 2, 4
+# the probe task (tests/probe_tasks.py) builds the demo's model and data, and records each worker's variables
+PROBE = "probe_tasks:regression_recording_env"
+
+
+def load_model(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, weights_only=True)
+
+
+def same_model(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="session")
+def demo_reference(tmp_path_factory) -> dict:
+    """The demo trained locally by `accum-sched run` (torchrun, 2 workers): the model every SLURM run must equal,
+    on one node (2 workers) or two (1 worker each)."""
+    out = tmp_path_factory.mktemp("reference") / "demo"
+    done = subprocess.run([sys.executable, "-m", "launcher", "run", str(DEMO), "--set", f"run.output_dir={out}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return load_model(out / "model.pt")
+
+
+def submit_env(slurm) -> dict:
+    """The cluster's client environment with tests/ importable (the probe task), passed on to the job."""
+    paths = [str(ROOT), str(TESTS)] + [p for p in slurm.env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(slurm.env, PYTHONPATH=os.pathsep.join(paths))
+
+
+def submit(slurm, cwd: Path, *args: str, probe: bool = False) -> str:
+    """`accum-sched slurm configs/demo.yaml ARGS` from `cwd`; the job id."""
+    record = json.dumps({"record_dir": str(cwd / "env")})
+    extra = ["--set", f"task.target={PROBE}", "--set", f"task.args={record}"] if probe else []
+    done = subprocess.run([sys.executable, "-m", "launcher", "slurm", str(DEMO), *args, *extra], cwd=cwd,
+                          env=submit_env(slurm), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    m = re.match(r"submitted batch job (\d+): ", done.stdout)
+    assert m, done.stdout
+    return m.group(1)
+
+
+def job_log(run_dir: Path, job_id: str) -> str:
+    path = run_dir / f"slurm-{job_id}.out"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def wait_for_training(slurm, run_dir: Path, job_id: str, timeout: float = 300) -> None:
+    """Until the job's log shows a progress line (training under way); fails if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while not re.search(rf"step \d+/{DEMO_STEPS}", job_log(run_dir, job_id)):
+        assert time.monotonic() < deadline, job_log(run_dir, job_id)[-3000:]
+        assert slurm.job(job_id).get("JobState") in ("PENDING", "RUNNING"), job_log(run_dir, job_id)[-3000:]
+        time.sleep(0.05)
+
+
+def recorded_env(record_dir: Path) -> list[dict]:
+    """The probe task's records, one per worker start, by rank."""
+    rows = [json.loads(p.read_text()) for p in sorted(record_dir.glob("env-*.json"))]
+    return sorted(rows, key=lambda r: (int(r["restart"]), int(r["RANK"])))
