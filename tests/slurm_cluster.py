@@ -8,9 +8,10 @@ steps on both nodes. munged and slurmctld run on the host; the namespaces reach 
 slurmctld through the bridge address. Nothing listens beyond 127.0.0.1, the bridge and the namespaces.
 
 Tests set it up themselves (CI runs as root on a fresh machine): `ensure_slurm()` apt-get installs Debian's
-`slurm-wlm` and `munge` when the binaries are missing, `SlurmCluster` writes a slurm.conf and a munge key under its
-directory, starts the daemons in the foreground (so their pids are ours to stop), waits until both nodes are idle,
-and on exit cancels what is left, stops exactly the daemons it started and removes the namespaces and the bridge.
+`slurm-wlm`, `munge` and `iproute2` when a binary is missing, `SlurmCluster` writes a slurm.conf and a munge key
+under its directory, starts the daemons in the foreground (so their pids are ours to stop), waits until both nodes
+are idle, and on exit cancels what is left, stops exactly the daemons it started and removes the namespaces and
+the bridge.
 Clients (sbatch, srun, scontrol) find the cluster through `cluster.env` (SLURM_CONF). A one-node job lands on
 either node; `--nodes=2` uses both.
 
@@ -35,8 +36,10 @@ from pathlib import Path
 
 from netns_nodes import NetnsNodes, NetnsUnavailable
 
-PACKAGES = ("slurm-wlm", "munge")
-BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel")
+# iproute2: `ip` builds the nodes' namespaces (a slim container may lack it; util-linux's nsenter/unshare are
+# essential packages).
+PACKAGES = ("slurm-wlm", "munge", "iproute2")
+BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel", "ip")
 # Debian puts the daemons in /usr/sbin, which a non-login PATH may lack.
 SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 # A requeued job may start again only after the job credential's lifetime (AuthInfo cred_expire, default 120 s);
@@ -63,7 +66,8 @@ def _apt_get(*args: str, timeout: float) -> subprocess.CompletedProcess:
 
 
 def ensure_slurm() -> None:
-    """Install slurm-wlm and munge with apt-get when any binary is missing; raise SlurmUnavailable if that fails."""
+    """Install slurm-wlm, munge and iproute2 with apt-get when any binary is missing; raise SlurmUnavailable if
+    that fails."""
     missing = [b for b in BINARIES if _which(b) is None]
     if not missing:
         return
