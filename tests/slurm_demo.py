@@ -33,15 +33,38 @@ def same_model(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# Computed once per session: every module that imports the fixture gets its own definition of it.
+_REFERENCE: dict = {}
+
+
 @pytest.fixture(scope="session")
 def demo_reference(tmp_path_factory) -> dict:
     """The demo trained locally by `accum-sched run` (torchrun, 2 workers): the model every SLURM run must equal,
     on one node (2 workers) or two (1 worker each)."""
-    out = tmp_path_factory.mktemp("reference") / "demo"
-    done = subprocess.run([sys.executable, "-m", "launcher", "run", str(DEMO), "--set", f"run.output_dir={out}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return load_model(out / "model.pt")
+    if "model" not in _REFERENCE:
+        out = tmp_path_factory.mktemp("reference") / "demo"
+        done = subprocess.run([sys.executable, "-m", "launcher", "run", str(DEMO), "--set", f"run.output_dir={out}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        _REFERENCE["model"] = load_model(out / "model.pt")
+    return _REFERENCE["model"]
+
+
+def check_preempted_and_resumed(log: str, run_dir: Path, job_id: str) -> int:
+    """The job's log shows one mid-run stop and its resume from that step's checkpoint; returns the step.
+
+    The requeued run's "resumed from" line is the evidence: rank 0's "preempted at step N" line is printed after
+    `scontrol requeue`, which makes SLURM end the step at once, so it may be cut off (then it is simply missing)."""
+    resumed = re.findall(rf"accum-sched: resumed from {re.escape(str(run_dir))}/checkpoints/step-(\d+) ", log)
+    assert len(resumed) == 1 and 0 < int(resumed[0]) < DEMO_STEPS, log[-4000:]  # really mid-run
+    step = int(resumed[0])
+    stopped = re.findall(r"accum-sched: preempted at step (\d+): checkpoint saved, job requeued", log)
+    assert stopped in ([], [str(step)]), log[-4000:]
+    assert f"accum-sched: job {job_id} (restart 1)" in log
+    assert log.count(f"accum-sched: done: {DEMO_STEPS} optimizer steps") == 1
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, DEMO_STEPS + 1))  # each step logged once across both runs
+    return step
 
 
 def submit_env(slurm) -> dict:

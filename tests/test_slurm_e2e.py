@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 
 import pytest
 
 from slurm_cluster import slurm  # noqa: F401  (the session fixture)
-from slurm_demo import (DEMO_STEPS, demo_reference, job_log, load_model, recorded_env,  # noqa: F401
-                        same_model, submit, wait_for_training)
+from slurm_demo import (check_preempted_and_resumed, demo_reference, job_log, load_model,  # noqa: F401
+                        recorded_env, same_model, submit, wait_for_training)
 
 SCHEDULE = {0: 1, 4: 2, 8: 4}  # configs/demo.yaml
 BATCHES_PER_EPOCH = 64  # 2048 samples / 2 ranks / micro-batch 16
@@ -52,13 +51,7 @@ def test_preempted_job_requeues_resumes_and_ends_with_the_same_model(slurm, demo
     info = slurm.wait_job(job_id, timeout=600)
     log = job_log(run_dir, job_id)
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), log[-4000:]
-    stopped = re.search(r"accum-sched: preempted at step (\d+): checkpoint saved, job requeued", log)
-    assert stopped and 0 < int(stopped.group(1)) < DEMO_STEPS, log[-4000:]  # really mid-run
-    assert f"accum-sched: job {job_id} (restart 1)" in log
-    assert f"resumed from {run_dir}/checkpoints/step-{int(stopped.group(1)):08d}" in log
-    assert log.count(f"accum-sched: done: {DEMO_STEPS} optimizer steps") == 1
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, DEMO_STEPS + 1))  # each step logged once across both runs
+    check_preempted_and_resumed(log, run_dir, job_id)
     assert same_model(load_model(run_dir / "model.pt"), demo_reference)
 
     # What each worker process saw, in both runs of the job: its own rank and local rank, exported by the worker
