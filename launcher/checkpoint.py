@@ -277,7 +277,7 @@ class Checkpointer:
         if state.get("last_step"):
             from accum_sched.engine import StepInfo
 
-            engine.last_step = StepInfo(**state["last_step"])
+            engine.last_step = StepInfo.from_dict(state["last_step"])  # flat metrics line -> StepInfo
         trainer.sampler.set_epoch(int(state["sampler_epoch"]))
 
         step = int(engine_state["optimizer_steps"])
