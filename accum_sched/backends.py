@@ -94,7 +94,8 @@ class TorchBackend:
                     self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update()
-        if self.lr_scheduler is not None:
+        # A step the GradScaler skipped (fp16 overflow) took no optimizer step: the LR schedule waits (as HF Trainer).
+        if self.lr_scheduler is not None and not (skip and self.scaler is not None):
             with warnings.catch_warnings():  # a skipped first step makes torch warn about the call order
                 warnings.simplefilter("ignore", UserWarning)
                 self.lr_scheduler.step()
@@ -116,6 +117,10 @@ class _Counter:
     def __init__(self):
         self.rounds = 0
         self.bytes = 0
+        # optional callbacks around each bucket's all-reduce (accum_sched.noise_scale): before(bucket) sees this
+        # rank's own gradient, after(bucket, reduced) the all-reduced one
+        self.before_reduce = None
+        self.after_reduce = None
 
 
 def _counting_allreduce(state: _Counter, bucket):
@@ -123,9 +128,21 @@ def _counting_allreduce(state: _Counter, bucket):
 
     buf = bucket.buffer()
     state.bytes += buf.numel() * buf.element_size()
+    if state.before_reduce is not None:
+        state.before_reduce(bucket)
     if bucket.is_last():  # one backward = one round, however many buckets it takes
         state.rounds += 1
-    return default_hooks.allreduce_hook(None, bucket)
+    future = default_hooks.allreduce_hook(None, bucket)
+    if state.after_reduce is not None:
+        after = state.after_reduce
+
+        def observe(fut):
+            reduced = fut.value()
+            after(bucket, reduced)
+            return reduced
+
+        future = future.then(observe)
+    return future
 
 
 class DDPBackend(TorchBackend):
@@ -190,6 +207,15 @@ class DDPBackend(TorchBackend):
         squared = self.hook.take_norm() if self._norm_in_hook else None
         return stats, squared if squared is not None else self._squared_norm()
 
+    def observe_buckets(self, before, after) -> bool:
+        """Call ``before(bucket)`` ahead of every bucket's all-reduce and ``after(bucket, reduced)`` once it is
+        reduced (comm hook thread); False when our comm hook is not installed."""
+        if self.hook is None:
+            return False
+        self.hook.before_reduce.append(before)
+        self.hook.after_reduce.append(after)
+        return True
+
     @property
     def allreduce_rounds(self):
         return None if self.hook is None else self.hook.rounds
@@ -202,9 +228,14 @@ class DDPBackend(TorchBackend):
         return contextlib.nullcontext() if boundary else self.model.no_sync()
 
 
+def is_deepspeed_engine(model) -> bool:
+    """True for a DeepSpeedEngine (recognised without importing DeepSpeed)."""
+    return type(model).__name__ == "DeepSpeedEngine" or hasattr(model, "set_gradient_accumulation_boundary")
+
+
 def make_backend(model, optimizer=None, lr_scheduler=None, scaler=None, count_allreduce: bool = True):
     """Pick the back end for ``model``: a DeepSpeed engine, a DDP module, or a plain module in one process."""
-    if type(model).__name__ == "DeepSpeedEngine" or hasattr(model, "set_gradient_accumulation_boundary"):
+    if is_deepspeed_engine(model):
         from accum_sched.deepspeed_backend import DeepSpeedBackend
 
         return DeepSpeedBackend(model, optimizer=optimizer, lr_scheduler=lr_scheduler)

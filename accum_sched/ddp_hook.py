@@ -8,9 +8,10 @@
   came; every rank makes the same choice because DDP gives every rank the same buckets;
 * the squared norm of each reduced bucket, when the engine asked for the norm of this window, taken in the future's
   callback while the backward still runs, with the bucket still in cache;
-* callbacks per bucket, before and after its reduction (``before_reduce(index, local_buffer)``,
-  ``after_reduce(index, reduced_gradient)``), for measurements that want the gradient as it passes (for example a
-  local norm before the all-reduce). They run on the communication thread and must not wait for the device.
+* callbacks per bucket, before and after its reduction (``before_reduce(bucket)`` while the bucket holds this
+  rank's own gradient, ``after_reduce(bucket, reduced_gradient)``), for measurements that want the gradient as it
+  passes (the gradient noise scale's local norms). They run on the communication thread and must not wait for the
+  device.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-BucketCallback = Callable[[int, torch.Tensor], None]
+BeforeReduce = Callable[[object], None]  # (bucket)
+AfterReduce = Callable[[object, torch.Tensor], None]  # (bucket, its reduced gradient, without the stats' tail)
 
 
 class HookState:
@@ -29,8 +31,8 @@ class HookState:
         self.world_size = world_size
         self.rounds = 0
         self.bytes = 0
-        self.before_reduce: list[BucketCallback] = []
-        self.after_reduce: list[BucketCallback] = []
+        self.before_reduce: list[BeforeReduce] = []
+        self.after_reduce: list[AfterReduce] = []
         self.want_norm = False  # take the squared norm of each reduced bucket in this round
         self.squared_norms: list[torch.Tensor] = []
         self.pending_stats: torch.Tensor | None = None  # set before the boundary backward, appended to one bucket
@@ -56,7 +58,7 @@ def engine_hook(state: HookState, bucket):
     if last:  # one backward = one round, however many buckets it takes
         state.rounds += 1
     for callback in state.before_reduce:
-        callback(index, buf)
+        callback(bucket)
     buf.div_(state.world_size)  # DDP's mean, as its default hook does
     n = buf.numel()
     carry = state.pending_stats is not None and (index == state._carrier or last)
@@ -82,7 +84,7 @@ def engine_hook(state: HookState, bucket):
             norm = torch.linalg.vector_norm(grads, dtype=None if grads.dtype == torch.float32 else torch.float32)
             state.squared_norms.append(norm.double() ** 2)  # list.append: safe if buckets finish on two threads
         for callback in after:
-            callback(index, grads)
+            callback(bucket, grads)
         return out
 
     return fut.then(reduced)

@@ -23,13 +23,13 @@ import contextlib
 import logging
 import math
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Callable, Iterable, Iterator
 
 import torch
 
 from accum_sched import collective, window_stats
-from accum_sched.backends import make_backend
+from accum_sched.backends import is_deepspeed_engine, make_backend
 from accum_sched.schedule import AccumulationSchedule, Position
 
 log = logging.getLogger("accum_sched")
@@ -38,7 +38,7 @@ NORMALIZE = ("elements", "micro_batches")
 UNEVEN = ("truncate", "error")
 NONFINITE = ("skip", "raise")
 PRECISION = ("fp32", "bf16", "fp16")
-LR_COUPLING = ("none", "linear", "sqrt")
+LR_COUPLING = ("none", "linear", "sqrt", "adascale")
 
 
 @dataclass
@@ -55,9 +55,27 @@ class StepInfo:
     lr: float  # learning rate used by this step
     grad_norm: float | None  # global norm of the normalised gradient, before clipping; None where not measured
     skipped: bool  # non-finite loss/gradient: the optimizer did not step
+    loss_scale: float | None = None  # fp16: the GradScaler scale this window was scaled with (None otherwise)
+    noise: dict | None = None  # noise_scale=True: the gns_* fields and noise_scale (accum_sched.noise_scale.FIELDS)
+    factor_reason: str | None = None  # adaptive: why this window has its factor (the decision that set it)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """One flat metrics line; the optional fields appear only when their feature is on."""
+        out = asdict(self)
+        noise, reason = out.pop("noise"), out.pop("factor_reason")
+        out.update(noise or {})
+        if reason is not None:
+            out["factor_reason"] = reason
+        return out
+
+    @classmethod
+    def from_dict(cls, record: dict) -> "StepInfo":
+        """The inverse of to_dict (a checkpoint's last step)."""
+        from accum_sched.noise_scale import FIELDS
+
+        known = {f.name for f in fields(cls)} - {"noise"}
+        noise = {k: record[k] for k in FIELDS if k in record} or None
+        return cls(**{k: v for k, v in record.items() if k in known}, noise=noise)
 
 
 def _batch_size(batch) -> int:
@@ -89,26 +107,36 @@ class AccumulationEngine:
         uneven: ranks whose loaders differ in length: ``"truncate"`` (default; all ranks stop at the shortest,
             with a warning) or ``"error"``.
         nonfinite: a non-finite loss or gradient: ``"skip"`` the step on every rank (default) or ``"raise"``.
-        precision: ``"fp32"``, ``"bf16"`` (autocast, CPU or GPU) or ``"fp16"`` (autocast + GradScaler, GPU only).
+        precision: ``"fp32"``, ``"bf16"`` (autocast, CPU or GPU) or ``"fp16"`` (autocast + GradScaler, CPU or GPU;
+            an overflow is the scaler's normal operation: the step is skipped and counted, never raised, and
+            neither the LR scheduler nor a step-keyed schedule advances on it).
         micro_batch_size: samples per micro-batch: reports the effective batch (``micro x factor x world``) and
             lets windows of full micro-batches skip a scaling pass over the gradient (same value on every rank).
         count_allreduce: count DDP gradient all-reduce rounds with a comm hook (default True).
         lr_coupling: scale the learning rate with the effective batch when the factor changes: ``"none"``
-            (default), ``"linear"`` (LR x factor / first factor) or ``"sqrt"`` (LR x sqrt of that ratio). Applied
-            to each optimizer step on top of the LR scheduler, which never sees it.
+            (default), ``"linear"`` (LR x factor / first factor), ``"sqrt"`` (LR x sqrt of that ratio) or
+            ``"adascale"`` (AdaScale's gain from the measured noise scale; needs ``noise_scale``). Applied to each
+            optimizer step on top of the LR scheduler, which never sees it.
+        noise_scale: measure the gradient noise scale of every window (accum_sched.noise_scale): the gns_* fields
+            of :class:`StepInfo`. DDP, one process, or DeepSpeed ZeRO-0 in fp32; not fp16 or
+            ``normalize="micro_batches"``.
+        adaptive: an :class:`~accum_sched.adaptive.AdaptiveFactor` (or a mapping of its arguments) that picks the
+            factor from the noise scale instead of ``schedule`` (which must stay the default 1); implies
+            ``noise_scale``. Optimizer-step totals are unknown in advance then: an LR scheduler you pass is stepped
+            once per step all the same, so use one that does not depend on the total (constant, warm-up).
         norm_every: measure the global gradient norm (``StepInfo.grad_norm``, and with it the check for a non-finite
-            gradient) every this many optimizer steps; None: never. Clipping measures it at every step whatever this
-            says, and a non-finite *loss* is caught at every step (it travels with the counts, at no cost). Under
-            DDP the norm is taken in the comm hook as each bucket arrives; elsewhere it is one fused pass over the
-            gradients. Default None: a hand-written loop takes no norm either (measured: ~5% of a step of a
-            1M-parameter model at factor 1 on CPU); the launcher passes ``logging.log_every``. Set 1 to check
-            every step's gradient for NaN/inf and report its norm.
+            gradient) every this many optimizer steps; None: never. It is measured at every step whatever this says
+            when clipping, under fp16 (an overflow is a skipped step) and with the noise scale; a non-finite *loss*
+            is caught at every step (it travels with the counts, at no cost). Under DDP the norm is taken in the
+            comm hook as each bucket arrives; elsewhere it is one fused pass over the gradients. Default None: a
+            hand-written loop takes no norm either; the launcher passes ``logging.log_every``. Set 1 to check every
+            step's gradient for NaN/inf and report its norm.
     """
 
     def __init__(self, model, optimizer=None, schedule=1, *, lr_scheduler=None, max_grad_norm: float | None = None,
                  normalize: str = "elements", uneven: str = "truncate", nonfinite: str = "skip",
                  precision: str = "fp32", micro_batch_size: int | None = None, count_allreduce: bool = True,
-                 lr_coupling: str = "none", norm_every: int | None = None):
+                 lr_coupling: str = "none", noise_scale: bool = False, adaptive=None, norm_every: int | None = None):
         for name, value, allowed in (("normalize", normalize, NORMALIZE), ("uneven", uneven, UNEVEN),
                                      ("nonfinite", nonfinite, NONFINITE), ("precision", precision, PRECISION),
                                      ("lr_coupling", lr_coupling, LR_COUPLING)):
@@ -119,6 +147,16 @@ class AccumulationEngine:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm!r} must be > 0, or None for no clipping")
         self.schedule = AccumulationSchedule(schedule)
+        self.adaptive = None
+        if adaptive is not None:
+            from accum_sched.adaptive import AdaptiveFactor
+
+            if self.schedule.milestones != AccumulationSchedule(1).milestones:
+                raise ValueError("give either a schedule or adaptive=, not both")
+            self.adaptive = AdaptiveFactor.build(adaptive)
+            noise_scale = True
+        if lr_coupling == "adascale" and not noise_scale:
+            raise ValueError("lr_coupling='adascale' needs the noise scale: set noise_scale=True (or adaptive=)")
         self.model = model
         self.normalize, self.uneven, self.nonfinite = normalize, uneven, nonfinite
         self.max_grad_norm = max_grad_norm
@@ -127,23 +165,23 @@ class AccumulationEngine:
         self.micro_batch_size = micro_batch_size
         self.norm_every = norm_every
         scaler = None
-        if precision == "fp16":
-            if not torch.cuda.is_available():
-                raise ValueError("precision='fp16' needs a CUDA device (GradScaler); use 'bf16' on CPU")
-            scaler = torch.amp.GradScaler("cuda")
+        if precision == "fp16" and not is_deepspeed_engine(model):  # DeepSpeed's fp16 brings its own loss scaler
+            scaler = torch.amp.GradScaler(_module_device(model).type)  # "cpu" works too (torch >= 2.3)
         self.backend = make_backend(model, optimizer, lr_scheduler, scaler, count_allreduce)
         self.world_size = self.backend.world_size
         self.callbacks: list[Callable[[StepInfo], None]] = []
+        self.noise = self._make_noise() if noise_scale else None
 
         # position and counters (all identical on every rank; see state_dict)
         self.epoch_index = 0  # the epoch to run next (or running)
         self.micro_in_epoch = 0  # micro-batches of epoch_index already consumed (always at a window boundary)
         self.optimizer_steps = 0
         self.skipped_steps = 0
+        self.overflow_steps = 0  # fp16 windows the GradScaler skipped (also in skipped_steps)
         self.micro_steps = 0  # micro-batches run on this rank
         self.elements = 0  # global
         self.samples = 0  # global
-        self.factor = self.schedule.factor_for(self._position())
+        self.factor = self._factor_for()
         self.last_step: StepInfo | None = None
         self._rounds_offset = 0
         self._stop_requested = False
@@ -186,14 +224,33 @@ class AccumulationEngine:
         self._stop_requested = True
 
     def _position(self) -> Position:
-        return Position(epoch=self.epoch_index, step=self.optimizer_steps, samples=self.samples, tokens=self.elements)
+        # fp16 overflow steps took no optimizer step, so a step-keyed schedule does not count them (as the LR scheduler)
+        return Position(epoch=self.epoch_index, step=self.optimizer_steps - self.overflow_steps, samples=self.samples,
+                        tokens=self.elements)
+
+    def _factor_for(self) -> int:
+        """The factor of the window starting now: the adaptive controller's, or the schedule's."""
+        return (self.adaptive or self.schedule).factor_for(self._position())
+
+    def _make_noise(self):
+        """The noise-scale measurement (accum_sched.noise_scale), refused where the local gradient is not at hand."""
+        from accum_sched.noise_scale import WindowNoise
+
+        if self.normalize != "elements":
+            raise ValueError("noise_scale needs normalize='elements' (the estimator works on per-element means)")
+        if self.precision == "fp16":
+            raise ValueError("noise_scale is not measured under fp16 (loss-scaled local gradients); use bf16 or fp32")
+        if self.adaptive is not None and self.world_size == 1 and self.adaptive.min_factor < 2:
+            raise ValueError("adaptive in one process needs min_factor >= 2: the noise scale is estimated from the "
+                             "micro-batches of a window, and a window of one micro-batch has a single batch size")
+        return WindowNoise(self.backend, self.adaptive.ema if self.adaptive is not None else 0.95)
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def autocast(self):
         """Context for the forward pass under the configured precision (a no-op for fp32)."""
         if self.precision == "fp32":
             return contextlib.nullcontext()
-        device = "cuda" if self.precision == "fp16" or _module_device(self.model).type == "cuda" else "cpu"
+        device = _module_device(self.model).type  # CPU autocast takes float16 too
         dtype = torch.float16 if self.precision == "fp16" else torch.bfloat16
         return torch.autocast(device_type=device, dtype=dtype)
 
@@ -221,7 +278,7 @@ class AccumulationEngine:
             next(iterator)
         consumed = start
         while consumed < total and not self.should_stop:
-            factor = self.schedule.factor_for(self._position())
+            factor = self._factor_for()
             size = min(factor, total - consumed)
             self.factor = factor
             self._prescale = self._window_prescale(size)
@@ -247,9 +304,9 @@ class AccumulationEngine:
             self.epoch_index, self.micro_in_epoch = epoch + 1, 0
 
     def _agree_epoch(self, epoch: int, num_batches: int, start: int) -> int:
-        factor = self.schedule.factor_for(self._position())
+        factor = self._factor_for()
         ranges = collective.agree(
-            {"accumulation factor": factor, "schedule fingerprint": self.schedule.fingerprint(),
+            {"accumulation factor": factor, "schedule fingerprint": (self.adaptive or self.schedule).fingerprint(),
              "resume position": start, "micro-batches per epoch": num_batches,
              "micro-batch size": self.micro_batch_size or 0},
             context=f"at the start of epoch {epoch}", allow=("micro-batches per epoch",))
@@ -289,6 +346,8 @@ class AccumulationEngine:
             self.backend.backward(loss_sum * self._prescale)
         else:
             self.backend.backward(loss_sum)
+        if self.noise is not None:
+            self.noise.after_backward(torch.as_tensor(n, dtype=torch.float64), self._prescale, self._boundary)
         self.micro_steps += 1
 
     @property
@@ -314,8 +373,9 @@ class AccumulationEngine:
         """Hand the window's numbers to the back end before its last backward: the loss and element count of the
         last micro-batch are known before its backward, so they can travel inside that backward's gradient
         all-reduce (DDP) or in an all-reduce that overlaps it."""
-        self._want_norm = self.max_grad_norm is not None or (
-            self.norm_every is not None and (self.optimizer_steps + 1) % self.norm_every == 0)
+        # measured where something needs it: clipping, fp16 overflow detection, the noise scale, the cadence
+        self._want_norm = (self.max_grad_norm is not None or self.precision == "fp16" or self.noise is not None or (
+            self.norm_every is not None and (self.optimizer_steps + 1) % self.norm_every == 0))
         stats = window_stats.encode(self._win_n, self._win_samples, self._win_loss.to(device), self._stop_requested,
                                     self.backend.stats_dtype)
         self.backend.send_window_stats(stats, self._want_norm)
@@ -329,11 +389,15 @@ class AccumulationEngine:
 
     def _finish_window(self, epoch: int, factor: int, size: int) -> None:
         totals = self._read_totals()
-        skip = self._check_finite(totals, epoch)
+        skip, overflow, loss_scale = self._check_finite(totals, epoch)
         coef = self._coefficient(size, totals.elements)
-        info = self._step(epoch, factor, size, totals, coef, skip)
-        self._advance(totals, skip)
-        self._report(info)
+        grad_norm = None if totals.grad_norm is None else totals.grad_norm * coef
+        noise = None
+        if self.noise is not None:  # one all-reduce of four numbers (accum_sched.noise_scale); the norm is measured
+            noise = self.noise.finish_window(grad_norm * grad_norm, coef, float(totals.elements), update=not skip)
+        info = self._step(epoch, factor, size, totals, coef, skip, grad_norm, noise, loss_scale)
+        self._advance(totals, skip, overflow, noise, size)
+        self._report(info, overflow)
 
     def _read_totals(self) -> window_stats.WindowTotals:
         """The window's numbers summed over ranks and its gradient norm: the one host transfer of the step."""
@@ -343,18 +407,22 @@ class AccumulationEngine:
             values = torch.cat([values.to(torch.float64), squared_norm.reshape(1).to(values.device, torch.float64)])
         return window_stats.decode(values.tolist())  # the host sync of this optimizer step
 
-    def _check_finite(self, totals: window_stats.WindowTotals, epoch: int) -> bool:
-        """Whether to skip the step; raises under nonfinite='raise'. Every rank holds the same summed numbers and
-        the same reduced gradient, so every rank reaches the same verdict without another collective."""
+    def _check_finite(self, totals: window_stats.WindowTotals, epoch: int) -> tuple[bool, bool, float | None]:
+        """(skip the step, an fp16 overflow, this window's loss scale); raises under nonfinite='raise'.
+
+        Every rank holds the same summed numbers and the same reduced gradient, so every rank reaches the same
+        verdict without another collective. fp16: the scaler found inf/NaN in the (all-reduced, hence identical)
+        gradient, or a rank's scaled loss overflowed. That is how dynamic loss scaling works, not an error: skip,
+        back the scale off, never raise.
+        """
         nonfinite = totals.nonfinite or (totals.grad_norm is not None and not math.isfinite(totals.grad_norm))
-        if nonfinite and self.nonfinite == "raise":
+        scaler = getattr(self.backend, "scaler", None)
+        overflow = nonfinite and scaler is not None
+        loss_scale = None if scaler is None else float(scaler.get_scale())  # before update(): this window's scale
+        if nonfinite and self.nonfinite == "raise" and not overflow:
             raise FloatingPointError(f"non-finite loss or gradient at epoch {epoch}, step {self.optimizer_steps + 1} "
                                      f"(nonfinite='raise'; use nonfinite='skip' to skip such steps)")
-        skip = nonfinite or totals.elements == 0
-        if skip and collective.rank() == 0:
-            log.warning("step %d skipped: %s", self.optimizer_steps + 1,
-                        "no elements in the window" if totals.elements == 0 else "non-finite loss or gradient")
-        return skip
+        return nonfinite or totals.elements == 0, overflow, loss_scale
 
     def _coefficient(self, size: int, elements: int) -> float:
         """What the window's gradient, as the collective left it, must be multiplied by to be the large-batch mean."""
@@ -365,9 +433,9 @@ class AccumulationEngine:
         return self._averaging / max(elements, 1)
 
     def _step(self, epoch: int, factor: int, size: int, totals: window_stats.WindowTotals, coef: float,
-              skip: bool) -> StepInfo:
+              skip: bool, grad_norm: float | None, noise: dict | None, loss_scale: float | None) -> StepInfo:
         """Let the back end scale, clip and step; returns what this step was."""
-        lr_scale = self._lr_scale(factor)
+        lr_scale = self._lr_scale(factor, noise, size, float(totals.elements))
         lr = self.backend.lr() * lr_scale
         on_window = getattr(self.backend, "on_window", None)
         if on_window is not None:  # a back end with its own batch bookkeeping (DeepSpeed's GAS, global_samples)
@@ -379,34 +447,53 @@ class AccumulationEngine:
         elements = totals.elements
         return StepInfo(epoch=epoch, step=self.optimizer_steps + 1, factor=factor, micro_batches=size,
                         elements=elements, samples=totals.samples,
-                        loss=totals.loss / elements if elements else float("nan"), lr=lr,
-                        grad_norm=None if totals.grad_norm is None else totals.grad_norm * coef, skipped=skip)
+                        loss=totals.loss / elements if elements else float("nan"), lr=lr, grad_norm=grad_norm,
+                        skipped=skip, loss_scale=loss_scale, noise=noise,
+                        factor_reason=None if self.adaptive is None else self.adaptive.reason)
 
-    def _advance(self, totals: window_stats.WindowTotals, skip: bool) -> None:
-        """Counters move on and the window closes."""
+    def _advance(self, totals: window_stats.WindowTotals, skip: bool, overflow: bool, noise: dict | None,
+                 size: int) -> None:
+        """Counters move on, the adaptive controller decides the next factor, and the window closes."""
         self.optimizer_steps += 1
         self.skipped_steps += int(skip)
+        self.overflow_steps += int(overflow)
         self.elements += totals.elements
         self.samples += totals.samples
         self.should_stop = totals.stop
+        if self.adaptive is not None:  # decides the next window's factor from all-reduced numbers only
+            self.adaptive.after_window(self.optimizer_steps, noise["noise_scale"], float(totals.elements), size)
         self._win_loss = self._win_n = None
         self._win_samples = 0
 
-    def _report(self, info: StepInfo) -> None:
+    def _report(self, info: StepInfo, overflow: bool) -> None:
         self.last_step = info
+        if overflow:
+            log.info("step %d skipped: fp16 overflow at loss scale %g", info.step, info.loss_scale)
+        elif info.skipped and collective.rank() == 0:
+            log.warning("step %d skipped: %s", info.step,
+                        "no elements in the window" if info.elements == 0 else "non-finite loss or gradient")
         for callback in self.callbacks:
             callback(info)
 
-    def _lr_scale(self, factor: int) -> float:
+    def _lr_scale(self, factor: int, noise: dict | None = None, size: int = 1, n_total: float = 0.0) -> float:
         """LR multiplier for a window of ``factor``: effective batch relative to the schedule's first factor.
 
         Linear keeps LR / batch constant (Goyal et al. 2017); sqrt keeps the update noise's variance constant.
         Smith et al. 2017 argue the other way round (grow the batch *instead of* decaying the LR), which is why
-        the default is none.
+        the default is none. AdaScale (Johnson et al. 2020) uses the gain (B_noise/B0 + 1) / (B_noise/B + 1) of
+        this window's batch B over the first factor's batch B0 (between 1 and B/B0; 1 while there is no estimate).
         """
         if self.lr_coupling == "none":
             return 1.0
-        ratio = factor / self.schedule.factor_at(0)
+        first = (self.adaptive or self.schedule).factor_at(0)
+        if self.lr_coupling == "adascale":
+            b_noise = None if noise is None else noise["noise_scale"]
+            if b_noise is None or not b_noise > 0 or not n_total > 0:
+                return 1.0
+            batch = float(n_total)
+            base = batch * first / size  # the first factor's batch at this window's elements per micro-batch
+            return (b_noise / base + 1.0) / (b_noise / batch + 1.0)
+        ratio = factor / first
         return ratio if self.lr_coupling == "linear" else ratio ** 0.5
 
     # -- resume -------------------------------------------------------------------------------------------------
@@ -417,11 +504,20 @@ class AccumulationEngine:
         return {
             "epoch": self.epoch_index, "micro_batch": self.micro_in_epoch,
             "optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
-            "micro_batches": self.micro_steps, "elements": self.elements, "samples": self.samples,
+            "overflow_steps": self.overflow_steps, "micro_batches": self.micro_steps, "elements": self.elements, "samples": self.samples,
             "allreduce_rounds": self.allreduce_rounds or 0, "factor": self.factor, "world_size": self.world_size,
             "schedule": [list(m) for m in self.schedule.milestones], "unit": self.schedule.unit,
-            "backend": self.backend.state_dict(),
+            "backend": self.backend.state_dict(), **self._noise_state(),
         }
+
+    def _noise_state(self) -> dict:
+        """The noise-scale EMAs and the adaptive controller's decisions (resume repeats them bit for bit)."""
+        out = {}
+        if self.noise is not None:
+            out["noise_scale"] = self.noise.estimator.state_dict()
+        if self.adaptive is not None:
+            out["adaptive"] = self.adaptive.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``: the next :meth:`micro_batches` call skips what was already trained."""
@@ -429,17 +525,23 @@ class AccumulationEngine:
         self.micro_in_epoch = int(state["micro_batch"])
         self.optimizer_steps = int(state["optimizer_steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.overflow_steps = int(state.get("overflow_steps", 0))
         self.micro_steps = int(state["micro_batches"])
         self.elements = int(state["elements"])
         self.samples = int(state.get("samples", 0))
         self._rounds_offset = int(state.get("allreduce_rounds", 0)) - (self.backend.allreduce_rounds or 0)
-        self.factor = self.schedule.factor_for(self._position())
+        if self.noise is not None and "noise_scale" in state:
+            self.noise.estimator.load_state_dict(state["noise_scale"])
+        if self.adaptive is not None and "adaptive" in state:
+            self.adaptive.load_state_dict(state["adaptive"])
+        self.factor = self._factor_for()
         self.should_stop = self._stop_requested = False
         self.backend.load_state_dict(state.get("backend", {}))
 
     def counters(self) -> dict:
         """Counters for summaries: steps, micro-batches, elements, samples, all-reduce rounds, factor, batch."""
         return {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
+                "overflow_steps": self.overflow_steps,
                 "micro_batches": self.micro_steps, "elements": self.elements, "samples": self.samples,
                 "allreduce_rounds": self.allreduce_rounds, "factor": self.factor,
                 "effective_batch": self.effective_batch}

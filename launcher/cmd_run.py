@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from launcher import checkpoint_store
+from launcher import env as launch_env
 from launcher.cmd_check import preflight
 from launcher.config import load_config, write_resolved
 from launcher.errors import ConfigError
@@ -26,6 +27,18 @@ def add_parser(sub) -> None:
     p.set_defaults(func=main)
 
 
+def check_devices(cfg) -> None:
+    """GPU settings this node cannot honour stop here with exit 2 (launcher/env.py: check_devices); gloo on a GPU
+    machine only warns. Needs torch's view of the GPUs (CUDA_VISIBLE_DEVICES included): imported here, lazily, so
+    `check` and `slurm` stay torch-free."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    warning = launch_env.check_devices(cfg.distributed.process_group, cfg.distributed.nproc_per_node, count)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+
+
 def main(args) -> int:
     overrides = list(args.set)
     for flag, key in (("nproc_per_node", "distributed.nproc_per_node"), ("nnodes", "distributed.nnodes"),
@@ -42,7 +55,12 @@ def main(args) -> int:
     if args.node_rank is not None and not 0 <= args.node_rank < dist.nnodes:
         raise ConfigError("--node-rank", f"{args.node_rank} is outside 0..{dist.nnodes - 1}", "number nodes from 0")
     preflight(cfg)
+    if not _plain_optimizer(cfg):
+        from launcher.optim import check_config  # imports torch and the named classes: only when there is a name to check
+
+        check_config(cfg)
     checkpoint_store.preflight(cfg, args.resume)  # damaged checkpoint, other config or world size: exit 2 here
+    check_devices(cfg)
 
     run_dir = cfg.run.output_dir
     os.makedirs(run_dir, exist_ok=True)
@@ -59,6 +77,15 @@ def main(args) -> int:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // dist.nproc_per_node)))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return subprocess.call(torchrun_argv(plan, worker_args), env=env)
+
+
+def _plain_optimizer(cfg) -> bool:
+    """A built-in optimizer and LR scheduler without extra keywords: nothing to import before launch."""
+    from launcher.config import LR_SCHEDULERS, OPTIMIZERS
+
+    sched = cfg.lr_scheduler
+    return (cfg.optimizer.name in OPTIMIZERS and not cfg.optimizer.args
+            and (sched is None or (sched.name in LR_SCHEDULERS and not sched.args)))
 
 
 if __name__ == "__main__":
