@@ -101,4 +101,5 @@ def charlm(max_len: int = 64, d_model: int = 64, n_heads: int = 4, n_layers: int
     def count_fn(tokens):
         return int((tokens[:, 1:] != PAD).sum())
 
-    return {"model": model, "dataset": dataset, "loss_fn": loss_fn, "collate_fn": pad_batch, "count_fn": count_fn}
+    return {"model": model, "dataset": dataset, "loss_fn": loss_fn, "collate_fn": pad_batch, "count_fn": count_fn,
+            "length_fn": lambda sample: len(sample) - 1}  # its targets: every token but the first

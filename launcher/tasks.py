@@ -1,8 +1,10 @@
 """Tasks: what to train. `task.target` is "module:function" (or "builtin:NAME"), called with `task.args`.
 
 The function returns a mapping or object with ``model`` (nn.Module), ``dataset`` (map-style Dataset),
-``loss_fn(model, batch) -> (loss_sum, n_elements)`` and optionally ``collate_fn`` and ``count_fn(batch) ->
-n_elements`` (the same count without a forward pass; needed only to plan LR totals of token-keyed schedules).
+``loss_fn(model, batch) -> (loss_sum, n_elements)`` and optionally ``collate_fn``, ``length_fn(sample) ->
+n_elements`` and ``count_fn(batch) -> n_elements`` (the same count without a forward pass). One of the last two is
+needed only to plan LR totals of token-keyed schedules: every sample is counted once, by ``length_fn``, else by
+``count_fn`` of a one-sample batch (so it must add up over samples, as a count of real tokens does).
 
 `check_target` verifies a target before launch without importing it (so without torch): the module must be
 findable and define the function at top level.
@@ -32,6 +34,7 @@ class Task:
     loss_fn: Callable
     collate_fn: Callable | None = None
     count_fn: Callable | None = None  # batch -> elements (tokens) without a forward; plans token-keyed schedules
+    length_fn: Callable | None = None  # sample -> elements (tokens); preferred by planning over count_fn
 
 
 def resolve(target: str) -> tuple[str, str]:
@@ -106,4 +109,4 @@ def build(target: str, args: dict) -> Task:
         raise ConfigError("task.target", f"{target} returned no {', '.join(missing)}",
                           "return a mapping with model, dataset, loss_fn (and optionally collate_fn)")
     return Task(model=get("model"), dataset=get("dataset"), loss_fn=get("loss_fn"), collate_fn=get("collate_fn"),
-                count_fn=get("count_fn"))
+                count_fn=get("count_fn"), length_fn=get("length_fn"))

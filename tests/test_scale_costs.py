@@ -100,3 +100,168 @@ def test_engine_stops_inside_a_window_and_resumes_exactly_ddp():
         assert results[rank]["error"] is None, results[rank]["error"]
         stopped, resumed, steps = results[rank]["result"]
         assert_resumed_equal(stopped, resumed, steps, results[rank]["plain"], 2)
+
+
+# -- planning: one pass -----------------------------------------------------------------------------------------
+def test_token_planning_loads_every_sample_once_and_matches_collating_every_shard():
+    from torch.utils.data import DistributedSampler
+
+    from accum_sched import AccumulationSchedule
+    from launcher import plan
+    from launcher.builtin_tasks import charlm
+    from launcher.tasks import Task
+
+    made = charlm()
+    data = made["dataset"]
+    loaded = []
+
+    class Recording(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(data)
+
+        def __getitem__(self, i):
+            loaded.append(i)
+            return data[i]
+
+    world, micro, epochs = 2, 8, 3
+    batches = -(-len(data) // world // micro)
+    for length_fn in (made["length_fn"], None):  # the task's length_fn, or count_fn of one-sample batches
+        task = Task(model=None, dataset=Recording(), loss_fn=None, collate_fn=made["collate_fn"],
+                    count_fn=made["count_fn"], length_fn=length_fn)
+        loaded.clear()
+        per_step = plan.micro_step_counts(plan.sample_counts(task), task.dataset, epochs, world, micro, batches,
+                                          True, 5)
+        assert sorted(loaded) == list(range(len(data)))  # every sample once (ranks would split this pass)
+        brute = {}  # the old way: collate every shard of every epoch (epochs x world loads of the dataset)
+        for epoch in range(epochs):
+            brute[epoch] = [0] * batches
+            for rank in range(world):
+                shard = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=5)
+                shard.set_epoch(epoch)
+                idx = list(shard)
+                for i in range(batches):
+                    brute[epoch][i] += made["count_fn"](made["collate_fn"]([data[j] for j in idx[i * micro:(i + 1) * micro]]))
+        assert per_step == brute
+    schedule = AccumulationSchedule({0: 1, 3000: 2, 9000: 4}, "tokens")
+    assert schedule.optimizer_steps(batches, epochs, tokens_per_micro_step=lambda e, i: per_step[e][i]) > 0
+
+
+def test_resume_sampler_loads_only_what_remains_with_dataloader_workers():
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from accum_sched import ResumeSampler
+    from scale_tasks import CountingDataset, loads
+
+    import tempfile
+    with tempfile.TemporaryDirectory() as where:
+        os.environ["LOADS_DIR"] = where
+        try:
+            data = CountingDataset(torch.arange(40.0)[:, None], torch.zeros(40, 1))
+            inner = DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
+            inner.set_epoch(2)
+            full = list(inner)
+            resumable = ResumeSampler(inner)
+            resumable.start_at(3 * 4)  # 3 micro-batches of 4 trained
+            loader = DataLoader(data, batch_size=4, sampler=resumable, num_workers=2)
+            got = [b[0][:, 0].long().tolist() for b in loader]
+            assert len(loader) == 2 and got == [full[12:16], full[16:20]]
+            assert sorted(loads(where, 0)) == sorted(full[12:])  # the workers loaded the rest, nothing before
+        finally:
+            del os.environ["LOADS_DIR"]
+
+
+# -- `accum-sched run` stopped by SIGTERM inside a long window ----------------------------------------------------
+RUN_CONFIG = """\
+run: {{output_dir: {out}, seed: 0, epochs: 2}}
+task: {{target: "scale_tasks:slow_regression"}}
+data: {{micro_batch_size: 2, shuffle: true}}
+accumulation: {{unit: tokens, schedule: {{0: 16, 64: 4}}}}
+optimizer: {{name: adamw, lr: 0.01}}
+lr_scheduler: {{name: cosine, warmup_steps: 1}}
+distributed: {{backend: ddp, nproc_per_node: 2}}
+checkpoint: {{every_n_steps: 1000, keep_last: 3}}
+logging: {{progress: plain, tensorboard: "off"}}
+"""
+# 64 samples, 2 workers x 2: 16 micro-batches per rank per epoch. Epoch 1 is one window of 16 (6.4 s at 0.4 s a
+# micro-batch); after 64 tokens (= samples) the factor is 4. Token-keyed with an LR schedule: planning counts them.
+
+
+def launch(tmp, name, *args, env=None, wait=True):
+    import subprocess
+
+    path = os.path.join(tmp, f"{name}.yaml")
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(RUN_CONFIG.format(out=os.path.join(tmp, name)))
+    full = {k: v for k, v in os.environ.items() if k not in ("LOADS_DIR", "SLOW_S", "STARTED")}
+    full["PYTHONPATH"] = os.path.dirname(TESTS) + os.pathsep + full.get("PYTHONPATH", "")
+    full.update(env or {})
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "run", path, *args], cwd=TESTS, env=full,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if not wait:
+        return proc
+    out, _ = proc.communicate(timeout=400)
+    return proc.returncode, out
+
+
+def test_sigterm_to_accum_sched_run_commits_the_open_window_and_resume_equals_uninterrupted(tmp_path):
+    import glob
+    import signal
+    import time
+
+    from scale_tasks import loads
+
+    status, out = launch(tmp_path, "ref")
+    assert status == 0, out[-4000:]
+    ref = torch.load(tmp_path / "ref" / "model.pt", weights_only=True)
+
+    loads_a, started = tmp_path / "loads-a", tmp_path / "started"
+    loads_a.mkdir()
+    proc = launch(tmp_path, "run", env={"LOADS_DIR": str(loads_a), "SLOW_S": "0.4", "STARTED": str(started)},
+                  wait=False)
+    deadline = time.monotonic() + 300
+    while not started.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
+        time.sleep(0.02)
+    time.sleep(1.0)  # 1 s into the first window (16 micro-batches x 0.4 s)
+    proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    pattern = str(tmp_path / "run" / "checkpoints" / "step-00000000-mb*")
+    committed = None
+    while proc.poll() is None:
+        if committed is None and glob.glob(os.path.join(pattern, "manifest.json")):
+            committed = time.monotonic() - signalled
+        time.sleep(0.02)
+    out = proc.communicate()[0]
+    assert proc.returncode == 75, out[-4000:]  # documented: stopped by a signal with a checkpoint committed
+    assert committed is not None and committed < 4.0, (committed, out[-3000:])  # well before the window's end
+    (ckpt,) = glob.glob(pattern)
+    stop = int(ckpt.rsplit("mb", 1)[1])
+    assert 2 <= stop <= 8, ckpt  # ~2.5 micro-batches in at the signal, +1 to agree: far from 16
+    assert sorted(os.listdir(ckpt)) == ["manifest.json", "trainer.pt", "window-rank0.pt", "window-rank1.pt"]
+    assert "inside a window, after micro-batch" in out
+
+    # planning: every sample once over both ranks (32 each); training: exactly `stop` micro-batches per rank
+    planning = {r: list(range(r, 64, 2)) for r in range(2)}
+    for r in range(2):
+        trained = sorted(loads(loads_a, r))
+        for i in planning[r]:
+            trained.remove(i)
+        assert len(trained) == 2 * stop, r
+
+    loads_b = tmp_path / "loads-b"
+    loads_b.mkdir()
+    status, out = launch(tmp_path, "run", "--resume", env={"LOADS_DIR": str(loads_b)})
+    assert status == 0, out[-4000:]
+    assert f"micro-batch {stop} inside a window" in out
+    for r in range(2):  # the resume loads the planning pass and what remains: 16 - stop, then all of epoch 2
+        assert len(loads(loads_b, r)) == 32 + 2 * (16 - stop) + 32, r
+    got = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+    with open(tmp_path / "run" / "summary.json") as f, open(tmp_path / "ref" / "summary.json") as g:
+        import json
+
+        a, b = json.load(f), json.load(g)
+    for key in ("optimizer_steps", "micro_batches", "samples", "elements", "final_loss"):
+        assert a[key] == b[key], key
