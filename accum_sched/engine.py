@@ -14,7 +14,12 @@ Rules (see DESIGN.md): windows start at each epoch start; the last window of an 
 at the epoch end, never carried over. The optimizer sees the gradient of the mean loss over every element of the
 window on every rank, i.e. exactly one large batch. All ranks agree by collective on the factor, the schedule and the
 number of micro-batches at every epoch start, and on counts, non-finite and stop flags at every window end (one
-all-reduce of five numbers: the only collective per step besides DDP's gradient all-reduce).
+all-reduce of five numbers: the only collective per step besides DDP's gradient all-reduce). With
+``stop_at="micro_batch"`` a one-number stop flag is also summed per micro-batch, asynchronously on a gloo group of
+its own, so a preemption is answered within about a micro-batch (see :class:`StopPoll`).
+
+Resuming: ``load_state_dict`` then, per epoch, a loader positioned at ``resume_offset(epoch)`` with
+``micro_batches(..., skip=False)`` (see accum_sched/resume.py), or the whole epoch with the default ``skip=True``.
 """
 from __future__ import annotations
 

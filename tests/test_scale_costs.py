@@ -232,9 +232,11 @@ def test_sigterm_to_accum_sched_run_commits_the_open_window_and_resume_equals_un
         if committed is None and glob.glob(os.path.join(pattern, "manifest.json")):
             committed = time.monotonic() - signalled
         time.sleep(0.02)
+    exited = time.monotonic() - signalled
     out = proc.communicate()[0]
     assert proc.returncode == 75, out[-4000:]  # documented: stopped by a signal with a checkpoint committed
     assert committed is not None and committed < 4.0, (committed, out[-3000:])  # well before the window's end
+    assert exited < 12.0, exited  # measured ~2-4 s idle (torchrun's own shutdown follows the workers' exit)
     (ckpt,) = glob.glob(pattern)
     stop = int(ckpt.rsplit("mb", 1)[1])
     assert 2 <= stop <= 8, ckpt  # ~2.5 micro-batches in at the signal, +1 to agree: far from 16
@@ -248,6 +250,12 @@ def test_sigterm_to_accum_sched_run_commits_the_open_window_and_resume_equals_un
         for i in planning[r]:
             trained.remove(i)
         assert len(trained) == 2 * stop, r
+
+    # the open window's gradients are per worker: another world size is refused before launch
+    status, out = launch(tmp_path, "run", "--resume", "--nproc-per-node", "1", "--set",
+                         "checkpoint.on_world_change=keep_factor")
+    assert status == 2 and out.startswith("error: checkpoint.on_world_change: ") and "inside an accumulation window" \
+        in out, out
 
     loads_b = tmp_path / "loads-b"
     loads_b.mkdir()
