@@ -7,7 +7,9 @@
    of every epoch (the old way), by dataset size;
 3. signal -> committed checkpoint: `accum-sched run` (2 gloo workers, micro-batches of ``--micro-s``) gets SIGTERM
    1 s into its first window; by accumulation factor, next to when that window would have ended;
-4. checkpoint write (hashed while written) and verify (one read) throughput, by size.
+4. checkpoint write (hashed while written) and verify (one read) throughput, by size;
+5. what the per-micro-batch stop poll costs: seconds per micro-batch of a 2-rank DDP loop at factor 8, with
+   stop_at="boundary" and "micro_batch" (medians of alternating repeats).
 
     PYTHONPATH=. python bench/scale.py [--quick] [--json out.json]
 """
@@ -203,6 +205,52 @@ def io_rows(tmp: str, sizes_mib) -> list[dict]:
     return rows
 
 
+# -- 5. the stop poll's cost -------------------------------------------------------------------------------------
+def _poll_rank(rank: int, world: int, init: str, micro_batches: int, repeats: int, out) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from accum_sched import AccumulationEngine
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    batches = [(torch.randn(16, 256), torch.randn(16, 256)) for _ in range(micro_batches)]
+    times = {"boundary": [], "micro_batch": []}
+    for _ in range(repeats):
+        for stop_at in ("boundary", "micro_batch"):  # alternated, so drifting load hits both alike
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 256))
+            ddp = DDP(model)
+            engine = AccumulationEngine(ddp, torch.optim.SGD(model.parameters(), lr=0.01), 8, stop_at=stop_at)
+            dist.barrier()
+            began = time.perf_counter()
+            for x, y in engine.micro_batches(batches, 0):
+                engine.backward(((ddp(x) - y) ** 2).sum(), x.shape[0])
+            times[stop_at].append((time.perf_counter() - began) / micro_batches)
+            del engine, ddp
+    if rank == 0:
+        out.put({k: sorted(v)[len(v) // 2] for k, v in times.items()})
+    dist.barrier()
+    os._exit(0)
+
+
+def poll_rows(tmp: str, micro_batches: int = 256, repeats: int = 5) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_poll_rank, args=(r, 2, os.path.join(tmp, "poll-store"), micro_batches, repeats, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    got = out.get(timeout=600)
+    for p in procs:
+        p.join()
+    b, m = got["boundary"], got["micro_batch"]
+    return [{"ranks": 2, "factor": 8, "micro_batches": micro_batches, "boundary_ms": round(b * 1e3, 3),
+             "micro_batch_ms": round(m * 1e3, 3), "ratio": round(m / b, 3)}]
+
+
 def table(rows: list[dict]) -> str:
     keys = [k for k in rows[0] if k != "tail"]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -215,7 +263,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller sizes (CI smoke)")
     ap.add_argument("--load-ms", type=float, default=1.0, help="cost of loading one sample (resume, planning)")
     ap.add_argument("--micro-s", type=float, default=0.1, help="seconds per micro-batch in the signal test")
-    ap.add_argument("--only", default="resume,planning,signal,io")
+    ap.add_argument("--only", default="resume,planning,signal,io,poll")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -230,6 +278,8 @@ def main() -> None:
         if "signal" in only:
             factors = (4, 16) if args.quick else (4, 16, 64)
             results["signal"] = [signal_row(tmp, f, args.micro_s) for f in factors]
+        if "poll" in only:
+            results["poll"] = poll_rows(tmp, 64 if args.quick else 256)
         if "io" in only:
             results["io"] = io_rows(tmp, (16, 64) if args.quick else (16, 64, 256, 1024))
     for name, rows in results.items():
