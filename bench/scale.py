@@ -9,7 +9,7 @@
    1 s into its first window; by accumulation factor, next to when that window would have ended;
 4. checkpoint write (hashed while written) and verify (one read) throughput, by size;
 5. what the per-micro-batch stop poll costs: seconds per micro-batch of a 2-rank DDP loop at factor 8, with
-   stop_at="boundary" and "micro_batch" (medians of alternating repeats).
+   the poll off and on, alternating epoch by epoch in one engine (medians).
 
     PYTHONPATH=. python bench/scale.py [--quick] [--json out.json]
 """
@@ -215,26 +215,29 @@ def _poll_rank(rank: int, world: int, init: str, micro_batches: int, repeats: in
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     batches = [(torch.randn(16, 256), torch.randn(16, 256)) for _ in range(micro_batches)]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 256))
+    ddp = DDP(model)
+    engine = AccumulationEngine(ddp, torch.optim.SGD(model.parameters(), lr=0.01), 8, stop_at="micro_batch")
+    poll = engine._stop_poll
     times = {"boundary": [], "micro_batch": []}
-    for _ in range(repeats):
-        for stop_at in ("boundary", "micro_batch"):  # alternated, so drifting load hits both alike
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 256))
-            ddp = DDP(model)
-            engine = AccumulationEngine(ddp, torch.optim.SGD(model.parameters(), lr=0.01), 8, stop_at=stop_at)
-            dist.barrier()
-            began = time.perf_counter()
-            for x, y in engine.micro_batches(batches, 0):
-                engine.backward(((ddp(x) - y) ** 2).sum(), x.shape[0])
-            times[stop_at].append((time.perf_counter() - began) / micro_batches)
-            del engine, ddp
+    # One engine, the poll switched on and off epoch by epoch (fine interleaving: load drift hits both alike).
+    for epoch in range(1 + 2 * repeats):
+        mode = "micro_batch" if epoch % 2 else "boundary"
+        engine._stop_poll = poll if mode == "micro_batch" else None
+        dist.barrier()
+        began = time.perf_counter()
+        for x, y in engine.micro_batches(batches, epoch):
+            engine.backward(((ddp(x) - y) ** 2).sum(), x.shape[0])
+        if epoch:  # epoch 0 warms up
+            times[mode].append((time.perf_counter() - began) / micro_batches)
     if rank == 0:
         out.put({k: sorted(v)[len(v) // 2] for k, v in times.items()})
     dist.barrier()
     os._exit(0)
 
 
-def poll_rows(tmp: str, micro_batches: int = 256, repeats: int = 5) -> list[dict]:
+def poll_rows(tmp: str, micro_batches: int = 32, repeats: int = 40) -> list[dict]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -264,6 +267,7 @@ def main() -> None:
     ap.add_argument("--load-ms", type=float, default=1.0, help="cost of loading one sample (resume, planning)")
     ap.add_argument("--micro-s", type=float, default=0.1, help="seconds per micro-batch in the signal test")
     ap.add_argument("--only", default="resume,planning,signal,io,poll")
+    ap.add_argument("--planning-old-up-to", type=int, default=None, help="largest size to plan the old way too")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -274,12 +278,12 @@ def main() -> None:
             results["resume"] = resume_rows(1000 if args.quick else 2000, 8, load_s, (0, 2))
         if "planning" in only:
             sizes = (1000, 4000) if args.quick else (1000, 4000, 16000, 64000)
-            results["planning"] = planning_rows(sizes, load_s / 10, 3, 2, 8, old_up_to=16000)
+            results["planning"] = planning_rows(sizes, load_s / 10, 3, 2, 8, old_up_to=args.planning_old_up_to or (4000 if args.quick else 16000))
         if "signal" in only:
             factors = (4, 16) if args.quick else (4, 16, 64)
             results["signal"] = [signal_row(tmp, f, args.micro_s) for f in factors]
         if "poll" in only:
-            results["poll"] = poll_rows(tmp, 64 if args.quick else 256)
+            results["poll"] = poll_rows(tmp, 32, 10 if args.quick else 40)
         if "io" in only:
             results["io"] = io_rows(tmp, (16, 64) if args.quick else (16, 64, 256, 1024))
     for name, rows in results.items():
