@@ -2,9 +2,11 @@
 
 The function returns a mapping or object with ``model`` (nn.Module), ``dataset`` (map-style Dataset),
 ``loss_fn(model, batch) -> (loss_sum, n_elements)`` and optionally ``collate_fn``, ``length_fn(sample) ->
-n_elements`` and ``count_fn(batch) -> n_elements`` (the same count without a forward pass). One of the last two is
-needed only to plan LR totals of token-keyed schedules: every sample is counted once, by ``length_fn``, else by
-``count_fn`` of a one-sample batch (so it must add up over samples, as a count of real tokens does).
+n_elements`` and ``count_fn(batch) -> n_elements`` (the same count without a forward pass; one of the two is needed
+only to plan LR totals of token-keyed schedules: every sample is counted once, by ``length_fn``, else by ``count_fn``
+of a one-sample batch, so it must add up over samples, as a count of real tokens does), ``val_dataset`` (held-out
+samples, same form as ``dataset``) and ``save_fn(state_dict, output_dir)`` (rank 0 writes the task's own export of
+the final weights next to model.pt, e.g. a Hugging Face directory).
 
 `check_target` verifies a target before launch without importing it (so without torch): the module must be
 findable and define the function at top level.
@@ -24,6 +26,11 @@ from launcher.errors import ConfigError
 BUILTINS = {
     "regression": "launcher.builtin_tasks:regression",
     "charlm": "launcher.builtin_tasks:charlm",
+    "hf_causal_lm": "launcher.hf_task:hf_causal_lm",
+}
+# Built-ins whose args can be checked before launch without torch: name -> "module:function(args)".
+ARG_CHECKS = {
+    "hf_causal_lm": "launcher.hf_args:parse",
 }
 
 
@@ -35,6 +42,8 @@ class Task:
     collate_fn: Callable | None = None
     count_fn: Callable | None = None  # batch -> elements (tokens) without a forward; plans token-keyed schedules
     length_fn: Callable | None = None  # sample -> elements (tokens); preferred by planning over count_fn
+    val_dataset: Any = None  # held-out samples (same form as dataset), or None
+    save_fn: Callable | None = None  # (state_dict, output_dir) -> None on rank 0 after model.pt: the task's export
 
 
 def resolve(target: str) -> tuple[str, str]:
@@ -92,6 +101,14 @@ def check_target(target: str) -> None:
                           f"define {function}(**args) in {origin} or fix the name after ':'")
 
 
+def check_args(target: str, args: dict) -> None:
+    """Raise ConfigError for bad ``task.args`` of a built-in that can tell before launch (no torch import)."""
+    module, _, function = target.partition(":")
+    if module == "builtin" and function in ARG_CHECKS:
+        check_module, _, check = ARG_CHECKS[function].partition(":")
+        getattr(importlib.import_module(check_module), check)(args)
+
+
 def build(target: str, args: dict) -> Task:
     """Import the target and call it with ``args``; normalise what it returns into a Task."""
     module_name, function = resolve(target)
@@ -109,4 +126,5 @@ def build(target: str, args: dict) -> Task:
         raise ConfigError("task.target", f"{target} returned no {', '.join(missing)}",
                           "return a mapping with model, dataset, loss_fn (and optionally collate_fn)")
     return Task(model=get("model"), dataset=get("dataset"), loss_fn=get("loss_fn"), collate_fn=get("collate_fn"),
-                count_fn=get("count_fn"), length_fn=get("length_fn"))
+                count_fn=get("count_fn"), length_fn=get("length_fn"), val_dataset=get("val_dataset"),
+                save_fn=get("save_fn"))
