@@ -8,8 +8,8 @@ within a micro-batch):
 - token-keyed planning loads every sample once (not epochs x world times) and gives the totals the old
   collate-every-shard method gave;
 - `accum-sched run` gets SIGTERM 1 s into a 6.4 s window: it forwards it, the workers commit a checkpoint holding
-  the open window within about 4 s and exit with the documented status; the resume loads only what remains and ends
-  equal to the uninterrupted run.
+  the open window within about 4 s and exit with the documented status; the resume (with 2 DataLoader workers) loads
+  only what remains and ends equal to the uninterrupted run.
 """
 from __future__ import annotations
 
@@ -259,7 +259,8 @@ def test_sigterm_to_accum_sched_run_commits_the_open_window_and_resume_equals_un
 
     loads_b = tmp_path / "loads-b"
     loads_b.mkdir()
-    status, out = launch(tmp_path, "run", "--resume", env={"LOADS_DIR": str(loads_b)})
+    # resumed with 2 DataLoader workers (not part of the config hash): ResumeSampler feeds them only what remains
+    status, out = launch(tmp_path, "run", "--resume", "--set", "data.num_workers=2", env={"LOADS_DIR": str(loads_b)})
     assert status == 0, out[-4000:]
     assert f"micro-batch {stop} inside a window" in out
     for r in range(2):  # the resume loads the planning pass and what remains: 16 - stop, then all of epoch 2
