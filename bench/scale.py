@@ -278,7 +278,8 @@ def main() -> None:
             results["resume"] = resume_rows(1000 if args.quick else 2000, 8, load_s, (0, 2))
         if "planning" in only:
             sizes = (1000, 4000) if args.quick else (1000, 4000, 16000, 64000)
-            results["planning"] = planning_rows(sizes, load_s / 10, 3, 2, 8, old_up_to=args.planning_old_up_to or (4000 if args.quick else 16000))
+            old_up_to = args.planning_old_up_to or (4000 if args.quick else 16000)
+            results["planning"] = planning_rows(sizes, load_s / 10, 3, 2, 8, old_up_to=old_up_to)
         if "signal" in only:
             factors = (4, 16) if args.quick else (4, 16, 64)
             results["signal"] = [signal_row(tmp, f, args.micro_s) for f in factors]

@@ -163,7 +163,8 @@ class Trainer:
             lr_scheduler=None if self.ds_engine is not None else self.lr_scheduler,
             max_grad_norm=cfg.optimizer.max_grad_norm, normalize=acc.normalize, uneven=acc.uneven,
             nonfinite=acc.nonfinite, precision=cfg.run.precision, micro_batch_size=cfg.data.micro_batch_size,
-            lr_coupling=acc.lr_coupling, stop_at="micro_batch")  # preemption within ~1 micro-batch (DeepSpeed: boundary)
+            lr_coupling=acc.lr_coupling,
+            stop_at="micro_batch")  # preemption answered within ~1 micro-batch (DeepSpeed: at the boundary)
         self.metrics = None
         self.progress = None
         self.start = time.time()

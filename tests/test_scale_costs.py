@@ -21,7 +21,8 @@ import torch
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS)
-from cases import Case, loss_fn_for, make_model, make_optimizer, params, rank_batches, reference, run_engine  # noqa: E402
+from cases import (Case, loss_fn_for, make_model, make_optimizer, params, rank_batches, reference,  # noqa: E402
+                   run_engine)
 from distributed import attempt, spawn  # noqa: E402
 
 CASE = Case("stop-mid-window", {0: 3, 1: 5}, epochs=3, samples=(40, 40), optimizer="adamw")  # 10 micro-batches
@@ -140,7 +141,8 @@ def test_token_planning_loads_every_sample_once_and_matches_collating_every_shar
                 shard.set_epoch(epoch)
                 idx = list(shard)
                 for i in range(batches):
-                    brute[epoch][i] += made["count_fn"](made["collate_fn"]([data[j] for j in idx[i * micro:(i + 1) * micro]]))
+                    batch = made["collate_fn"]([data[j] for j in idx[i * micro:(i + 1) * micro]])
+                    brute[epoch][i] += made["count_fn"](batch)
         assert per_step == brute
     schedule = AccumulationSchedule({0: 1, 3000: 2, 9000: 4}, "tokens")
     assert schedule.optimizer_steps(batches, epochs, tokens_per_micro_step=lambda e, i: per_step[e][i]) > 0
