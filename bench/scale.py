@@ -221,6 +221,18 @@ def _poll_rank(rank: int, world: int, init: str, micro_batches: int, repeats: in
     engine = AccumulationEngine(ddp, torch.optim.SGD(model.parameters(), lr=0.01), 8, stop_at="micro_batch")
     poll = engine._stop_poll
     times = {"boundary": [], "micro_batch": []}
+    waited = [0.0, 0]  # seconds inside the poll (waiting for the previous sum, starting the next), polls
+    poll_once = poll.poll
+
+    def timed_poll(requested):
+        began = time.perf_counter()
+        try:
+            return poll_once(requested)
+        finally:
+            waited[0] += time.perf_counter() - began
+            waited[1] += 1
+
+    poll.poll = timed_poll
     # One engine, the poll switched on and off epoch by epoch (fine interleaving: load drift hits both alike).
     for epoch in range(1 + 2 * repeats):
         mode = "micro_batch" if epoch % 2 else "boundary"
@@ -232,7 +244,7 @@ def _poll_rank(rank: int, world: int, init: str, micro_batches: int, repeats: in
         if epoch:  # epoch 0 warms up
             times[mode].append((time.perf_counter() - began) / micro_batches)
     if rank == 0:
-        out.put({k: sorted(v)[len(v) // 2] for k, v in times.items()})
+        out.put(dict({k: sorted(v)[len(v) // 2] for k, v in times.items()}, poll_s=waited[0] / max(waited[1], 1)))
     dist.barrier()
     os._exit(0)
 
@@ -251,7 +263,8 @@ def poll_rows(tmp: str, micro_batches: int = 32, repeats: int = 40) -> list[dict
         p.join()
     b, m = got["boundary"], got["micro_batch"]
     return [{"ranks": 2, "factor": 8, "micro_batches": micro_batches, "boundary_ms": round(b * 1e3, 3),
-             "micro_batch_ms": round(m * 1e3, 3), "ratio": round(m / b, 3)}]
+             "micro_batch_ms": round(m * 1e3, 3), "ratio": round(m / b, 3),
+             "inside_poll_us": round(got["poll_s"] * 1e6, 1)}]
 
 
 def table(rows: list[dict]) -> str:
