@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler
 
-from accum_sched import AccumulationEngine
+from accum_sched import AccumulationEngine, AccumulationSchedule
 from accum_sched.resume import ResumeSampler
-from launcher import tasks
+from launcher import coordination, tasks
 from launcher.checkpoint import Checkpointer
 from launcher.config import Config, load_config
 from launcher.errors import ConfigError
@@ -86,7 +86,15 @@ def init_distributed(cfg: Config, launch) -> torch.device:
             where = {"store": dist.PrefixStore(f"accum-sched/attempt_{attempt}", store)}
         dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
                                 device_id=device if use_cuda else None, **where)
+        coordination.start(cfg.checkpoint.timeout_s)  # checkpoints wait on gloo, never under NCCL's watchdog
     return device
+
+
+def adaptive_settings(cfg: Config) -> dict | None:
+    """``accumulation.adaptive`` with its defaults, or None (checked already by config validation)."""
+    from launcher.noise_config import adaptive_settings as settings
+
+    return None if cfg.accumulation.adaptive is None else settings(cfg.accumulation.adaptive)
 
 
 def plan_total_steps(schedule, loader, sampler, task, cfg: Config, world: int) -> int:
@@ -137,7 +145,10 @@ class Trainer:
         # finds the checkpoint to resume (rank 0 reads, all agree); its world size may rescale the schedule
         self.checkpointer = Checkpointer(cfg, self.rank, self.world, resume, device)
         self.schedule = self.checkpointer.schedule(cfg.schedule_for(self.world))
-        self.total_steps = plan_total_steps(self.schedule, self.loader, self.sampler, self.task, cfg, self.world)
+        self.adaptive = adaptive_settings(cfg)
+        # adaptive: the factor is decided during the run, so the total is an upper bound (every window at min_factor)
+        planned = self.schedule if self.adaptive is None else AccumulationSchedule(self.adaptive["min_factor"])
+        self.total_steps = plan_total_steps(planned, self.loader, self.sampler, self.task, cfg, self.world)
         self.model = self.task.model.to(device)
         self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
         self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer, self.total_steps)
@@ -159,12 +170,12 @@ class Trainer:
         self.wrapped = wrapped
         acc = cfg.accumulation
         self.engine = AccumulationEngine(
-            wrapped, None if self.ds_engine is not None else self.optimizer, self.schedule,
+            wrapped, None if self.ds_engine is not None else self.optimizer, 1 if self.adaptive else self.schedule,
             lr_scheduler=None if self.ds_engine is not None else self.lr_scheduler,
             max_grad_norm=cfg.optimizer.max_grad_norm, normalize=acc.normalize, uneven=acc.uneven,
             nonfinite=acc.nonfinite, precision=cfg.run.precision, micro_batch_size=cfg.data.micro_batch_size,
-            lr_coupling=acc.lr_coupling,
-            stop_at="micro_batch")  # preemption answered within ~1 micro-batch (DeepSpeed: at the boundary)
+            lr_coupling=acc.lr_coupling, noise_scale=acc.noise_scale, adaptive=self.adaptive,
+            stop_at="micro_batch")  # preemption answered within ~1 micro-batch (DeepSpeed, noise scale: boundary)
         self.metrics = None
         self.progress = None
         self.start = time.time()
@@ -186,7 +197,10 @@ class Trainer:
             self.progress = Progress(cfg.logging.progress, cfg.run.epochs, self.total_steps, cfg.logging.log_every)
             print(f"accum-sched: world {self.world}, {len(self.loader)} micro-batches of "
                   f"{cfg.data.micro_batch_size} per rank per epoch, {cfg.run.epochs} epochs, "
-                  f"{self.total_steps} optimizer steps, schedule {self.schedule.to_dict()}", flush=True)
+                  f"{self.total_steps} optimizer steps, " + (
+                      f"schedule {self.schedule.to_dict()}" if self.adaptive is None else
+                      f"adaptive factor {self.adaptive['min_factor']}..{self.adaptive['max_factor']} (at most "
+                      f"that many steps)"), flush=True)
         self.engine.on_step(self._on_step)
         self.engine.on_step(self.checkpointer.on_step)  # after the metrics line of the same step
         for epoch in range(self.engine.epoch_index, cfg.run.epochs):
