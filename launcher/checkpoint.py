@@ -162,9 +162,10 @@ class Checkpointer:
     """Saves and restores one rank's training state. Built by the Trainer before its schedule (the resume point
     decides a rescaled schedule on a world-size change); ``restore(trainer)`` before training.
 
-    ``resume`` is None (start afresh: checkpoints of an earlier run in the folder are removed), ``"auto"`` or a
-    path. Under torchrun, a restarted worker group (TORCHELASTIC_RESTART_COUNT > 0) resumes from the newest valid
-    checkpoint by itself, falling back to ``resume`` when the failed attempt had not saved one yet.
+    ``resume`` is None (start afresh: checkpoints of an earlier run in the folder are moved aside), ``"auto"`` or a
+    path. A restarted worker group (TORCHELASTIC_RESTART_COUNT > 0) or a requeued SLURM job (SLURM_RESTART_COUNT
+    > 0) resumes from the newest valid checkpoint by itself, falling back to ``resume`` when the failed attempt
+    had not saved one yet.
     """
 
     def __init__(self, cfg, rank: int, world: int, resume: str | None = None, device=None, group=None):
@@ -177,7 +178,9 @@ class Checkpointer:
         self.keep = cfg.checkpoint.keep_last
         self.hash = store.config_hash(cfg)
         self.trainer = None
-        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        # a restart of torchrun's worker group, or of a requeued SLURM job: both continue from the newest checkpoint
+        self.restarts = sum(int(os.environ.get(name, "0") or 0)
+                            for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
         self.fresh = resume is None and self.restarts == 0
         self.found = None if self.fresh else self._on_rank0(lambda: self._locate(resume))
         self.scale = (1, 1)
@@ -279,15 +282,11 @@ class Checkpointer:
         """No checkpoint to resume: rank 0 moves an earlier run's checkpoints aside and empties metrics.jsonl."""
         if self.rank != 0:
             return
-        if self.fresh:
-            old = store.list_checkpoints(self.root)
-            if old:  # moved aside, never deleted: forgetting --resume must not lose a run
-                aside = os.path.join(self.root, time.strftime("superseded-%Y%m%d-%H%M%S"))
-                os.makedirs(aside, exist_ok=True)
-                for _, p in old:
-                    os.replace(p, os.path.join(aside, os.path.basename(p)))
-                self._say(f"starting afresh: moved {len(old)} checkpoint(s) of an earlier run to {aside} "
-                          f"(run with --resume to continue a run; delete that folder when not needed)", sys.stderr)
+        moved = store.supersede(self.root) if self.fresh else None
+        if moved is not None:
+            aside, old = moved
+            self._say(f"starting afresh: moved {len(old)} checkpoint(s) of an earlier run to {aside} "
+                      f"(run with --resume to continue a run; delete that folder when not needed)", sys.stderr)
         store.truncate_metrics(run_dir, 0)
 
     def _resume_position(self, engine_state: dict, order, manifest: dict) -> dict:

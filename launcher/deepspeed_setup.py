@@ -327,6 +327,18 @@ def _prepare_environment(world_size: int) -> None:
         os.environ.setdefault("MASTER_PORT", "29511")
 
 
+def _device_args() -> dict:
+    """DeepSpeed takes cuda:LOCAL_RANK unless told otherwise; under srun's per-task GPU binding the worker's device
+    (launcher/env.py: cuda_index, already set by the worker) is cuda:0 on every rank."""
+    import argparse
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"args": argparse.Namespace(device_rank=torch.cuda.current_device())}
+
+
 def initialize(cfg, model, optimizer, lr_scheduler, world_size: int):
     """Build the DeepSpeed engine on this worker: ``(ds_engine, optimizer, lr_scheduler)`` as DeepSpeed holds them.
 
@@ -357,7 +369,8 @@ def initialize(cfg, model, optimizer, lr_scheduler, world_size: int):
     quiet = dist.is_initialized() and dist.get_rank() != 0
     # other ranks stay quiet: DeepSpeed prints a line per rank when it loads its shared-memory op
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-        ds_engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(model=model, config=config, **kwargs)
+        ds_engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(model=model, config=config, **kwargs,
+                                                                        **_device_args())
     ds_logger.setLevel(logging.WARNING)
     return ds_engine, ds_optimizer, ds_scheduler
 

@@ -65,9 +65,13 @@ def detect_launch():
 
 def init_distributed(cfg: Config, launch) -> torch.device:
     """Join the process group (NCCL with CUDA, gloo otherwise, unless configured) and pin this rank's device."""
+    from launcher.env import choose_device
+
     wanted = cfg.distributed.process_group
-    use_cuda = torch.cuda.is_available() and wanted != "gloo"
-    device = torch.device("cuda", launch.local_rank) if use_cuda else torch.device("cpu")
+    # which GPU, if any: per-task SLURM binding and CUDA_VISIBLE_DEVICES decide, not the local rank alone
+    kind, index = choose_device(wanted, torch.cuda.device_count() if torch.cuda.is_available() else 0, launch)
+    use_cuda = kind == "cuda"
+    device = torch.device("cuda", index) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     if launch.world_size > 1 or launch.source != "single":
@@ -282,6 +286,11 @@ def main(argv=None) -> int:
     preemption = Preemption.install(also=(signal.SIGTERM,))
     cfg = load_config(args.config)
     launch = detect_launch()
+    if launch.source != "single":
+        # srun's tasks (the per_task template) carry only SLURM_* variables; DeepSpeed and torch read these.
+        from launcher.env import as_torch_env
+
+        os.environ.update(as_torch_env(launch))
     if launch.rank != 0:  # other ranks stay quiet unless something fails
         warnings.filterwarnings("ignore")
         logging.getLogger("accum_sched").setLevel(logging.ERROR)
