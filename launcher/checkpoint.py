@@ -316,6 +316,8 @@ class Checkpointer:
 
             trainer.engine.last_step = StepInfo.from_dict(state["last_step"])  # flat metrics line -> StepInfo
         trainer.sampler.set_epoch(int(state["sampler_epoch"]))
+        if getattr(trainer, "validation", None) is not None:
+            trainer.validation.load_state_dict(state.get("eval"))
 
     def _plan_rng(self, saved: list, engine_state: dict, manifest: dict) -> None:
         """What RNG state this rank starts from: its own saved one (mid-epoch: the epoch-start state before the
@@ -343,8 +345,8 @@ class Checkpointer:
     def _where(self, manifest: dict) -> str:
         engine = self.trainer.engine
         if self._order is not None and int(manifest["world_size"]) != self.world:
-            return f"epoch {self._order[0] + 1}: the {len(self._order[1])} samples not trained yet, re-dealt"
-        where = f"epoch {engine.epoch_index + 1}, micro-batch {engine.micro_in_epoch}"
+            return f"epoch {self._order[0]}: the {len(self._order[1])} samples not trained yet, re-dealt"
+        where = f"epoch {engine.epoch_index}, micro-batch {engine.micro_in_epoch}"
         return where + (" inside a window" if engine.window_open else "")
 
     def _load(self, path: str) -> dict:
@@ -504,6 +506,9 @@ class Checkpointer:
             "config_hash": self.hash,
             "lr_scheduler": None if trainer.lr_scheduler is None else trainer.lr_scheduler.state_dict(),
         }
+        validation = getattr(trainer, "validation", None)
+        if validation is not None:  # best value and early-stop count (launcher/validation.py)
+            state["eval"] = validation.state_dict()
         if self._order is not None and self._order[0] == engine.epoch_index:
             state["epoch_order"] = {"epoch": self._order[0], "indices": torch.tensor(self._order[1])}
         if trainer.ds_engine is None:  # DeepSpeed keeps module and (sharded) optimizer in its own files

@@ -58,6 +58,10 @@ def main(args) -> int:
     if args.node_rank is not None and not 0 <= args.node_rank < dist.nnodes:
         raise ConfigError("--node-rank", f"{args.node_rank} is outside 0..{dist.nnodes - 1}", "number nodes from 0")
     preflight(cfg)
+    if not _plain_optimizer(cfg):
+        from launcher.optim import check_config  # imports torch and the named classes: only when there is a name to check
+
+        check_config(cfg)
     checkpoint_store.preflight(cfg, args.resume)  # damaged checkpoint, other config or world size: exit 2 here
     check_devices(cfg)
 
@@ -88,6 +92,15 @@ def _completed_since(run_dir: str, began: float) -> bool:
     """The workers wrote summary.json during this launch: the run finished (a stop leaves none)."""
     path = os.path.join(run_dir, "summary.json")
     return os.path.exists(path) and os.path.getmtime(path) >= began - 1
+
+
+def _plain_optimizer(cfg) -> bool:
+    """A built-in optimizer and LR scheduler without extra keywords: nothing to import before launch."""
+    from launcher.config import LR_SCHEDULERS, OPTIMIZERS
+
+    sched = cfg.lr_scheduler
+    return (cfg.optimizer.name in OPTIMIZERS and not cfg.optimizer.args
+            and (sched is None or (sched.name in LR_SCHEDULERS and not sched.args)))
 
 
 if __name__ == "__main__":
