@@ -267,11 +267,12 @@ class Trainer:
         if self.rank != 0:
             return
         self.metrics.close()
-        done = "job requeued" if requeue() else "not requeued"
         inside = f"; inside a window, after micro-batch {self.engine.micro_in_epoch} of epoch " \
                  f"{self.engine.epoch_index}" if self.engine.window_open else ""
-        print(f"accum-sched: preempted at step {self.engine.optimizer_steps}: checkpoint saved, {done} "
+        # Said before the requeue: SLURM may end this job step as soon as scontrol requeue returns.
+        print(f"accum-sched: preempted at step {self.engine.optimizer_steps}: checkpoint saved "
               f"({path}{inside})", flush=True)
+        print(f"accum-sched: {'job requeued' if requeue() else 'not requeued'}", flush=True)
 
     def final_state_dict(self) -> dict | None:
         if self.ds_engine is not None:
