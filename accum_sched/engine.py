@@ -78,7 +78,8 @@ class AccumulationEngine:
     """Drives scheduled gradient accumulation for a plain module, a DDP module or a DeepSpeed engine.
 
     Args:
-        model: ``nn.Module`` (one process), ``DistributedDataParallel``, or a ``DeepSpeedEngine``.
+        model: ``nn.Module`` (one process), ``DistributedDataParallel``, a module ``fully_shard`` was applied to
+            (FSDP2), or a ``DeepSpeedEngine``.
         optimizer: a torch optimizer (None for a DeepSpeed engine, which owns its own).
         schedule: anything :class:`AccumulationSchedule` accepts (mapping, ``"0:1,5:2"``, int) or a schedule.
         lr_scheduler: stepped once per optimizer step (so its totals are :meth:`AccumulationSchedule.optimizer_steps`).
@@ -95,12 +96,15 @@ class AccumulationEngine:
         lr_coupling: scale the learning rate with the effective batch when the factor changes: ``"none"``
             (default), ``"linear"`` (LR x factor / first factor) or ``"sqrt"`` (LR x sqrt of that ratio). Applied
             to each optimizer step on top of the LR scheduler, which never sees it.
+        gradient_sync: FSDP2 models only: ``"boundary"`` (default; one reduce-scatter per optimizer step, unsharded
+            gradients held inside the window) or ``"every_micro_batch"`` (reduce-scatter each micro-batch into
+            sharded gradients; less memory, more traffic). See accum_sched/fsdp_backend.py.
     """
 
     def __init__(self, model, optimizer=None, schedule=1, *, lr_scheduler=None, max_grad_norm: float | None = None,
                  normalize: str = "elements", uneven: str = "truncate", nonfinite: str = "skip",
                  precision: str = "fp32", micro_batch_size: int | None = None, count_allreduce: bool = True,
-                 lr_coupling: str = "none"):
+                 lr_coupling: str = "none", gradient_sync: str = "boundary"):
         for name, value, allowed in (("normalize", normalize, NORMALIZE), ("uneven", uneven, UNEVEN),
                                      ("nonfinite", nonfinite, NONFINITE), ("precision", precision, PRECISION),
                                      ("lr_coupling", lr_coupling, LR_COUPLING)):
@@ -120,7 +124,7 @@ class AccumulationEngine:
             if not torch.cuda.is_available():
                 raise ValueError("precision='fp16' needs a CUDA device (GradScaler); use 'bf16' on CPU")
             scaler = torch.amp.GradScaler("cuda")
-        self.backend = make_backend(model, optimizer, lr_scheduler, scaler, count_allreduce)
+        self.backend = make_backend(model, optimizer, lr_scheduler, scaler, count_allreduce, gradient_sync)
         self.world_size = self.backend.world_size
         self.callbacks: list[Callable[[StepInfo], None]] = []
 
