@@ -35,6 +35,10 @@ from launcher.errors import ConfigError
 DS_TAG = "deepspeed"
 
 
+def _fsdp(trainer) -> bool:
+    return trainer.cfg.distributed.backend == "fsdp"
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used (damaged, another config, another world size): raised on every rank."""
 
@@ -317,6 +321,13 @@ class Checkpointer:
                                                           load_lr_scheduler_states=True)
             if loaded is None:
                 raise CheckpointError(f"{os.path.join(path, DS_TAG)}: DeepSpeed could not load it")
+        elif _fsdp(trainer):  # DCP reads the shards, resharded for this world size
+            from launcher import fsdp_setup
+
+            try:
+                fsdp_setup.load(trainer.model, trainer.optimizer, os.path.join(path, fsdp_setup.DIRNAME))
+            except Exception as exc:  # noqa: BLE001 -- name the checkpoint on every rank
+                raise CheckpointError(f"{path}: FSDP2 shards cannot be loaded ({type(exc).__name__}: {exc})") from exc
         else:
             trainer.model.load_state_dict(state["model"])
             trainer.optimizer.load_state_dict(state["optimizer"])
@@ -385,6 +396,10 @@ class Checkpointer:
         def write():
             if trainer.ds_engine is not None:  # collective: every rank writes its shards under tmp/deepspeed
                 trainer.ds_engine.save_checkpoint(tmp, tag=DS_TAG, save_latest=False)
+            if _fsdp(trainer):  # collective: every rank writes its shards under tmp/fsdp (DCP)
+                from launcher import fsdp_setup
+
+                fsdp_setup.save(trainer.model, trainer.optimizer, os.path.join(tmp, fsdp_setup.DIRNAME))
             if self.rank == 0:
                 self._write_state(os.path.join(tmp, store.STATE), engine_state, rngs)
 
@@ -425,7 +440,7 @@ class Checkpointer:
         }
         if self._order is not None and self._order[0] == engine.epoch_index:
             state["epoch_order"] = {"epoch": self._order[0], "indices": torch.tensor(self._order[1])}
-        if trainer.ds_engine is None:  # DeepSpeed keeps module and (sharded) optimizer in its own files
+        if trainer.ds_engine is None and not _fsdp(trainer):  # DeepSpeed / FSDP2 keep sharded files of their own
             scaler = getattr(engine.backend, "scaler", None)
             state.update(model=trainer.model.state_dict(), optimizer=trainer.optimizer.state_dict(),
                          scaler=None if scaler is None else scaler.state_dict())

@@ -141,6 +141,11 @@ class Trainer:
         self.schedule = self.checkpointer.schedule(cfg.schedule_for(self.world))
         self.total_steps = plan_total_steps(self.schedule, self.loader, self.sampler, self.task, cfg, self.world)
         self.model = self.task.model.to(device)
+        self.fsdp = cfg.distributed.backend == "fsdp"
+        if self.fsdp:  # before the optimizer: fully_shard swaps the parameters for sharded ones
+            from launcher import fsdp_setup
+
+            self.model = fsdp_setup.shard(cfg, self.model, device)
         self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
         self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer, self.total_steps)
         self.ds_engine = None
@@ -150,6 +155,8 @@ class Trainer:
             self.ds_engine, self.optimizer, self.lr_scheduler = deepspeed_setup.initialize(
                 cfg, self.model, self.optimizer, self.lr_scheduler, self.world)
             wrapped = self.ds_engine
+        elif self.fsdp:
+            wrapped = self.model  # the FSDP2 root; the engine picks the FSDP2 back end for it
         elif self.world > 1:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -165,7 +172,8 @@ class Trainer:
             lr_scheduler=None if self.ds_engine is not None else self.lr_scheduler,
             max_grad_norm=cfg.optimizer.max_grad_norm, normalize=acc.normalize, uneven=acc.uneven,
             nonfinite=acc.nonfinite, precision=cfg.run.precision, micro_batch_size=cfg.data.micro_batch_size,
-            lr_coupling=acc.lr_coupling)
+            lr_coupling=acc.lr_coupling,
+            gradient_sync=cfg.distributed.fsdp["gradient_sync"] if self.fsdp else "boundary")
         self.metrics = None
         self.progress = None
         self.start = time.time()
@@ -219,6 +227,10 @@ class Trainer:
             from launcher import deepspeed_setup
 
             return deepspeed_setup.consolidated_state_dict(self.ds_engine)
+        if self.fsdp:
+            from launcher import fsdp_setup
+
+            return fsdp_setup.consolidated_state_dict(self.model)
         if self.rank != 0:
             return None
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
