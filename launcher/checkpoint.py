@@ -4,7 +4,8 @@ What a checkpoint holds (``trainer.pt``, written by rank 0, loadable with ``torc
 tensors and plain Python values): model, optimizer, LR scheduler, GradScaler, ``engine.state_dict()`` (epoch,
 micro-batch within it, counters), the sampler epoch, the last StepInfo, and every rank's RNG states (torch, numpy,
 python, CUDA), gathered to rank 0 so one file holds them all. A DeepSpeed engine writes its own per-rank files
-into the same directory (``ds_engine.save_checkpoint``); ``trainer.pt`` then holds no model or optimizer.
+into the same directory (``ds_engine.save_checkpoint``), and an FSDP2 run its DCP shards under ``fsdp/``
+(launcher/fsdp_setup.py); ``trainer.pt`` then holds no model or optimizer.
 
 When: at every epoch end, every ``checkpoint.every_n_steps`` optimizer steps (from the engine's on_step
 callback), and at the step where ``engine.should_stop`` turns True (preemption). Always between windows: a window's

@@ -4,7 +4,8 @@ One launch per world size (2 and 3 real gloo processes) trains every run below; 
 the full parameters (``full_tensor()`` of its shards, gathered) and the test compares every rank's view with the
 reference of tests/cases.py: a changing schedule with partial windows, AdamW with clipping over the sharded
 gradient, token-masked losses, an epoch shorter than the factor, the pre-divided path (micro_batch_size known), and
-a ``Linear(5, 1)`` whose shards are empty on one rank. Tolerance as for DDP (atol 1e-6, rtol 1e-5); a wrong
+a ``Linear(5, 1)`` whose shards are empty on one rank, and the launcher's policies (CPU offload, bf16 compute,
+wrap: auto from ``_no_split_modules``). Tolerance as for DDP (atol 1e-6, rtol 1e-5); a wrong
 normalisation (FSDP2's mean over ranks counted twice or not at all, a window divided by its micro-batch count)
 moves the parameters by 1e-3 or more.
 """
@@ -75,10 +76,25 @@ def full_params(model: nn.Module) -> list[torch.Tensor]:
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
-def train(case, rank: int, mode: str, model=None, batches=None, nan_at=None, **kwargs) -> dict:
+def launcher_shard(model: nn.Module, **options) -> nn.Module:
+    """The launcher's wrapping (launcher/fsdp_setup.py) with distributed.fsdp ``options`` over the defaults."""
+    import types
+
+    from launcher import fsdp_setup
+    from launcher.config import FSDP_SCHEMA
+
+    values = {**{k: f.default for k, f in FSDP_SCHEMA.items()}, **options}
+    cfg = types.SimpleNamespace(distributed=types.SimpleNamespace(fsdp=values))
+    return fsdp_setup.shard(cfg, model, torch.device("cpu"))
+
+
+def train(case, rank: int, mode: str, model=None, batches=None, nan_at=None, options=None, **kwargs) -> dict:
+    from torch.distributed.fsdp import FSDPModule
+
     from accum_sched import AccumulationEngine
 
-    model = shard(model if model is not None else cases.make_model(case))
+    model = model if model is not None else cases.make_model(case)
+    model = shard(model) if options is None else launcher_shard(model, **options)
     optimizer = cases.make_optimizer(case, model)
     engine = AccumulationEngine(model, optimizer, case.schedule, max_grad_norm=case.clip, gradient_sync=mode,
                                 **kwargs)
@@ -93,6 +109,7 @@ def train(case, rank: int, mode: str, model=None, batches=None, nan_at=None, **k
                 loss = loss * float("nan")
             engine.backward(loss, n)
     return {"params": full_params(model), "skipped": [s.skipped for s in steps],
+            "sharded": sum(isinstance(m, FSDPModule) for m in model.modules()),
             "rounds": engine.allreduce_rounds, "steps": engine.optimizer_steps, "micro": engine.micro_steps}
 
 
@@ -108,6 +125,14 @@ def _worker(rank: int, world: int, out: str) -> None:
         sgd = BY_NAME["sgd-changing-partial"]
         runs[f"{mode}/prescaled"] = train(sgd, rank, mode, micro_batch_size=sgd.micro)
         runs[f"{mode}/tiny"] = train(TINY, rank, mode, model=tiny_model(), batches=tiny_batches)
+    # the launcher's policies: CPU offload (exact), bf16 compute with fp32 or bf16 reduce-scatter, wrap: auto
+    sgd = BY_NAME["sgd-changing-partial"]
+    runs["offload"] = train(sgd, rank, "boundary", options={"cpu_offload": True, "wrap": ["Linear"]})
+    auto = cases.make_model(sgd)
+    auto._no_split_modules = ["Linear"]  # as Hugging Face models name their blocks
+    runs["bf16/fp32-reduce"] = train(sgd, rank, "boundary", model=auto,
+                                     options={"param_dtype": "bfloat16", "reduce_dtype": "float32"})
+    runs["bf16/bf16-reduce"] = train(sgd, rank, "every_micro_batch", options={"param_dtype": "bf16"})
     # a NaN loss on rank 1 only (epoch 0, micro-batch 1, a window of factor 1): skipped, or raised, on every rank
     runs["nan/skip"] = train(BY_NAME["sgd-changing-partial"], rank, "every_micro_batch", nan_at=(1, 0, 1))
     runs["nan/raise"] = attempt(lambda: train(BY_NAME["sgd-changing-partial"], rank, "boundary", nan_at=(1, 0, 1),
@@ -159,3 +184,17 @@ def test_nonfinite_is_agreed_by_every_rank(launched):
         for p, q in zip(runs["nan/skip"]["params"], ranks[0]["nan/skip"]["params"]):
             assert torch.isfinite(p).all() and torch.equal(p, q)
         assert runs["nan/raise"]["error"][0] == "FloatingPointError", runs["nan/raise"]
+
+
+def test_launcher_policies_offload_mixed_precision_and_auto_wrap(launched):
+    world, ranks = launched
+    want = cases.params(cases.reference(BY_NAME["sgd-changing-partial"], world))
+    for rank, runs in enumerate(ranks):
+        assert_params(runs["offload"]["params"], want, f"cpu_offload rank {rank}")
+        assert runs["offload"]["sharded"] == 3 and runs["bf16/fp32-reduce"]["sharded"] == 3  # 2 Linear + root
+        assert runs["bf16/bf16-reduce"]["sharded"] == 1  # auto without _no_split_modules: the root only
+        # bf16 compute: measured <= 5e-3 from the fp32 reference; a wrong normalisation is ~0.4 away
+        for name in ("bf16/fp32-reduce", "bf16/bf16-reduce"):
+            for got, ref in zip(runs[name]["params"], want):
+                assert got.dtype == torch.float32
+                torch.testing.assert_close(got, ref, atol=1e-2, rtol=0, msg=lambda m: f"{name} rank {rank}: {m}")
