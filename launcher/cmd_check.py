@@ -18,8 +18,10 @@ def add_parser(sub) -> None:
 
 
 def preflight(cfg: Config) -> None:
-    """Everything that can be checked before any worker starts: task target, DeepSpeed config."""
+    """Everything that can be checked before any worker starts: task target (and a built-in's args), DeepSpeed
+    config."""
     tasks.check_target(cfg.task.target)
+    tasks.check_args(cfg.task.target, cfg.task.args)
     if cfg.distributed.backend == "deepspeed":
         from launcher import deepspeed_setup  # no torch/deepspeed import at module level there either
 

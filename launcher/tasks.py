@@ -1,8 +1,10 @@
 """Tasks: what to train. `task.target` is "module:function" (or "builtin:NAME"), called with `task.args`.
 
 The function returns a mapping or object with ``model`` (nn.Module), ``dataset`` (map-style Dataset),
-``loss_fn(model, batch) -> (loss_sum, n_elements)`` and optionally ``collate_fn`` and ``count_fn(batch) ->
-n_elements`` (the same count without a forward pass; needed only to plan LR totals of token-keyed schedules).
+``loss_fn(model, batch) -> (loss_sum, n_elements)`` and optionally ``collate_fn``, ``count_fn(batch) ->
+n_elements`` (the same count without a forward pass; needed only to plan LR totals of token-keyed schedules),
+``val_dataset`` (held-out samples, same form as ``dataset``) and ``save_fn(state_dict, output_dir)`` (rank 0 writes
+the task's own export of the final weights next to model.pt, e.g. a Hugging Face directory).
 
 `check_target` verifies a target before launch without importing it (so without torch): the module must be
 findable and define the function at top level.
@@ -22,6 +24,11 @@ from launcher.errors import ConfigError
 BUILTINS = {
     "regression": "launcher.builtin_tasks:regression",
     "charlm": "launcher.builtin_tasks:charlm",
+    "hf_causal_lm": "launcher.hf_task:hf_causal_lm",
+}
+# Built-ins whose args can be checked before launch without torch: name -> "module:function(args)".
+ARG_CHECKS = {
+    "hf_causal_lm": "launcher.hf_args:parse",
 }
 
 
@@ -32,6 +39,8 @@ class Task:
     loss_fn: Callable
     collate_fn: Callable | None = None
     count_fn: Callable | None = None  # batch -> elements (tokens) without a forward; plans token-keyed schedules
+    val_dataset: Any = None  # held-out samples (same form as dataset), or None
+    save_fn: Callable | None = None  # (state_dict, output_dir) -> None on rank 0 after model.pt: the task's export
 
 
 def resolve(target: str) -> tuple[str, str]:
@@ -89,6 +98,14 @@ def check_target(target: str) -> None:
                           f"define {function}(**args) in {origin} or fix the name after ':'")
 
 
+def check_args(target: str, args: dict) -> None:
+    """Raise ConfigError for bad ``task.args`` of a built-in that can tell before launch (no torch import)."""
+    module, _, function = target.partition(":")
+    if module == "builtin" and function in ARG_CHECKS:
+        check_module, _, check = ARG_CHECKS[function].partition(":")
+        getattr(importlib.import_module(check_module), check)(args)
+
+
 def build(target: str, args: dict) -> Task:
     """Import the target and call it with ``args``; normalise what it returns into a Task."""
     module_name, function = resolve(target)
@@ -106,4 +123,4 @@ def build(target: str, args: dict) -> Task:
         raise ConfigError("task.target", f"{target} returned no {', '.join(missing)}",
                           "return a mapping with model, dataset, loss_fn (and optionally collate_fn)")
     return Task(model=get("model"), dataset=get("dataset"), loss_fn=get("loss_fn"), collate_fn=get("collate_fn"),
-                count_fn=get("count_fn"))
+                count_fn=get("count_fn"), val_dataset=get("val_dataset"), save_fn=get("save_fn"))

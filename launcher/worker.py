@@ -243,6 +243,8 @@ class Trainer:
         path = os.path.join(self.run_dir, "model.pt")
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
+        if self.task.save_fn is not None:  # the task's own export (e.g. a save_pretrained directory)
+            self.task.save_fn(state, self.run_dir)
         last = self.engine.last_step
         summary = {
             "world_size": self.world, "epochs": self.cfg.run.epochs, "completed_epochs": self.engine.epoch_index,
