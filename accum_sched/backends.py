@@ -122,6 +122,10 @@ class _Counter:
         self.rounds = 0
         self.bytes = 0
         self.squared_norms: list[torch.Tensor] = []  # filled by _allreduce_with_norm, one per reduced bucket
+        # optional callbacks around each bucket's all-reduce (accum_sched.noise_scale): before(bucket) sees this
+        # rank's own gradient, after(bucket, reduced) the all-reduced one
+        self.before_reduce = None
+        self.after_reduce = None
 
 
 def _counting_allreduce(state: _Counter, bucket):
@@ -129,9 +133,21 @@ def _counting_allreduce(state: _Counter, bucket):
 
     buf = bucket.buffer()
     state.bytes += buf.numel() * buf.element_size()
+    if state.before_reduce is not None:
+        state.before_reduce(bucket)
     if bucket.is_last():  # one backward = one round, however many buckets it takes
         state.rounds += 1
-    return default_hooks.allreduce_hook(None, bucket)
+    future = default_hooks.allreduce_hook(None, bucket)
+    if state.after_reduce is not None:
+        after = state.after_reduce
+
+        def observe(fut):
+            reduced = fut.value()
+            after(bucket, reduced)
+            return reduced
+
+        future = future.then(observe)
+    return future
 
 
 def _allreduce_with_norm(state: _Counter, bucket):
@@ -190,6 +206,14 @@ class DDPBackend(TorchBackend):
             self._counter.squared_norms = []  # a window whose norm was not asked for leaves none behind
         super().step(coef, max_norm, norm, skip, **kwargs)
 
+    def observe_buckets(self, before, after) -> bool:
+        """Call ``before(bucket)`` ahead of every bucket's all-reduce and ``after(bucket, reduced)`` once it is
+        reduced (comm hook thread); False when our comm hook is not installed."""
+        if self._counter is None:
+            return False
+        self._counter.before_reduce, self._counter.after_reduce = before, after
+        return True
+
     @property
     def allreduce_rounds(self):
         return None if self._counter is None else self._counter.rounds
@@ -202,11 +226,16 @@ class DDPBackend(TorchBackend):
         return contextlib.nullcontext() if boundary else self.model.no_sync()
 
 
+def is_deepspeed_engine(model) -> bool:
+    """True for a DeepSpeedEngine (recognised without importing DeepSpeed)."""
+    return type(model).__name__ == "DeepSpeedEngine" or hasattr(model, "set_gradient_accumulation_boundary")
+
+
 def make_backend(model, optimizer=None, lr_scheduler=None, scaler=None, count_allreduce: bool = True,
                  gradient_sync: str = "boundary"):
     """Pick the back end for ``model``: a DeepSpeed engine, an FSDP2 root, a DDP module, or a plain module in one
     process. ``gradient_sync`` (FSDP2 only): ``"boundary"`` or ``"every_micro_batch"``."""
-    if type(model).__name__ == "DeepSpeedEngine" or hasattr(model, "set_gradient_accumulation_boundary"):
+    if is_deepspeed_engine(model):
         from accum_sched.deepspeed_backend import DeepSpeedBackend
 
         return DeepSpeedBackend(model, optimizer=optimizer, lr_scheduler=lr_scheduler)

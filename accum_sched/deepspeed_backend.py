@@ -93,6 +93,10 @@ class DeepSpeedBackend:
         if ds_engine.zero_optimization() and ds_engine.zero_use_cpu_optimizer():
             raise ValueError("ZeRO optimizer offload is not supported yet (its gradients bypass the partition buffers "
                              "this back end scales); remove zero_optimization.offload_optimizer")
+        if ds_engine.fp16_enabled() and not ds_engine.zero_optimization():
+            raise ValueError("fp16 without ZeRO is not supported: DeepSpeed's engine.backward does not multiply the "
+                             "loss by the loss scale of its FP16 optimizers, yet their step divides by it (measured with "
+                             "0.19.8); use ZeRO stage 1-3 with fp16, or bf16")
         ds_scheduler = getattr(ds_engine, "lr_scheduler", None)
         if lr_scheduler is not None and ds_scheduler is not None and lr_scheduler is not ds_scheduler:
             raise ValueError("the DeepSpeed engine already has an LR scheduler; pass lr_scheduler=None")
@@ -103,6 +107,11 @@ class DeepSpeedBackend:
                              f"({collective.world_size()}): model/pipeline/sequence parallelism is not supported")
         # MEAN (the default) averages the gradient over ranks, so the engine multiplies by the world size.
         self.averages_over_world = bool(getattr(ds_engine, "gradient_average", True))
+        # fp16: the engine multiplies each loss by the full window's 1/count (AccumulationEngine._window_prescale), so
+        # the fp16 gradients DeepSpeed stores are already normalised: a window sum would be ~N x larger, make the loss
+        # scale back off ~N x, and a later 1/N on fp16 storage would underflow. The boundary's remaining correction
+        # (a short micro-batch, token counts, clipping) is folded into DeepSpeed's fp32 unscale (_fp32_unscale).
+        self.prescale_ok = bool(ds_engine.fp16_enabled())
         self._boundary = True
         self._window_samples: int | None = None
 
@@ -175,16 +184,20 @@ class DeepSpeedBackend:
         steps inside ``ds.step()`` after the update, never sees it.
         """
         samples_before = self.ds.global_samples
+        fold = 1.0  # fp16: the scale applied inside DeepSpeed's fp32 unscale rather than to fp16 storage
         if not skip:
             scale = coef
             if max_norm is not None:
                 total = norm * coef
                 scale *= min(1.0, max_norm / (total + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
-            tensors, _ = self._grad_storage()
-            if tensors and scale != 1.0:
-                torch._foreach_mul_(tensors, scale)
+            if self.prescale_ok:
+                fold = scale
+            elif scale != 1.0:
+                tensors, _ = self._grad_storage()
+                if tensors:
+                    torch._foreach_mul_(tensors, scale)
         inner = getattr(self.ds, "basic_optimizer", None) or self.ds.optimizer  # the torch optimizer DeepSpeed wraps
-        with _inner_step(inner, skip=skip, lr_scale=lr_scale):
+        with _inner_step(inner, skip=skip, lr_scale=lr_scale), _fp32_unscale(self.ds.optimizer, fold):
             self.ds.step()
         if skip and getattr(self.ds.optimizer, "overflow", False) and self.ds.lr_scheduler is not None:
             self.ds.lr_scheduler.step()  # DeepSpeed skipped its scheduler on overflow; keep one LR step per step
@@ -207,6 +220,26 @@ class DeepSpeedBackend:
 
 
 _MISSING = object()
+
+
+@contextlib.contextmanager
+def _fp32_unscale(optimizer, scale: float):
+    """For one ``ds.step()``, multiply the gradient by ``scale`` inside DeepSpeed's fp32 unscale, not on fp16 storage.
+
+    DeepSpeed's fp16 optimizers (FP16_Optimizer, FP16_UnfusedOptimizer, ZeRO 1/2/3) divide the gradient by their
+    ``loss_scale`` in fp32 at step; dividing by ``loss_scale / scale`` instead applies ``scale`` there. The loss
+    scaler's own update during the step (x or / its factor) is kept: the scale afterwards is that ratio times the
+    scale before.
+    """
+    current = getattr(optimizer, "loss_scale", None)
+    if scale == 1.0 or not current:
+        yield
+        return
+    optimizer.loss_scale = current / scale
+    try:
+        yield
+    finally:
+        optimizer.loss_scale = optimizer.loss_scale * scale
 
 
 @contextlib.contextmanager

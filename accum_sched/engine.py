@@ -22,13 +22,13 @@ import contextlib
 import logging
 import math
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Callable, Iterable, Iterator
 
 import torch
 
 from accum_sched import collective
-from accum_sched.backends import make_backend
+from accum_sched.backends import is_deepspeed_engine, make_backend
 from accum_sched.schedule import AccumulationSchedule, Position
 
 log = logging.getLogger("accum_sched")
@@ -37,7 +37,7 @@ NORMALIZE = ("elements", "micro_batches")
 UNEVEN = ("truncate", "error")
 NONFINITE = ("skip", "raise")
 PRECISION = ("fp32", "bf16", "fp16")
-LR_COUPLING = ("none", "linear", "sqrt")
+LR_COUPLING = ("none", "linear", "sqrt", "adascale")
 
 
 @dataclass
@@ -54,9 +54,26 @@ class StepInfo:
     lr: float  # learning rate used by this step
     grad_norm: float  # global norm of the normalised gradient, before clipping
     skipped: bool  # non-finite loss/gradient: the optimizer did not step
+    noise: dict | None = None  # noise_scale=True: the gns_* fields and noise_scale (accum_sched.noise_scale.FIELDS)
+    factor_reason: str | None = None  # adaptive: why this window has its factor (the decision that set it)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """One flat metrics line; the optional fields appear only when their feature is on."""
+        out = asdict(self)
+        noise, reason = out.pop("noise"), out.pop("factor_reason")
+        out.update(noise or {})
+        if reason is not None:
+            out["factor_reason"] = reason
+        return out
+
+    @classmethod
+    def from_dict(cls, record: dict) -> "StepInfo":
+        """The inverse of to_dict (a checkpoint's last step)."""
+        from accum_sched.noise_scale import FIELDS
+
+        known = {f.name for f in fields(cls)} - {"noise"}
+        noise = {k: record[k] for k in FIELDS if k in record} or None
+        return cls(**{k: v for k, v in record.items() if k in known}, noise=noise)
 
 
 def _batch_size(batch) -> int:
@@ -94,8 +111,16 @@ class AccumulationEngine:
             lets windows of full micro-batches skip a scaling pass over the gradient (same value on every rank).
         count_allreduce: count DDP gradient all-reduce rounds with a comm hook (default True).
         lr_coupling: scale the learning rate with the effective batch when the factor changes: ``"none"``
-            (default), ``"linear"`` (LR x factor / first factor) or ``"sqrt"`` (LR x sqrt of that ratio). Applied
-            to each optimizer step on top of the LR scheduler, which never sees it.
+            (default), ``"linear"`` (LR x factor / first factor), ``"sqrt"`` (LR x sqrt of that ratio) or
+            ``"adascale"`` (AdaScale's gain from the measured noise scale; needs ``noise_scale``). Applied to each
+            optimizer step on top of the LR scheduler, which never sees it.
+        noise_scale: measure the gradient noise scale of every window (accum_sched.noise_scale): the gns_* fields
+            of :class:`StepInfo`. DDP, one process, or DeepSpeed ZeRO-0 in fp32; not fp16 or
+            ``normalize="micro_batches"``.
+        adaptive: an :class:`~accum_sched.adaptive.AdaptiveFactor` (or a mapping of its arguments) that picks the
+            factor from the noise scale instead of ``schedule`` (which must stay the default 1); implies
+            ``noise_scale``. Optimizer-step totals are unknown in advance then: an LR scheduler you pass is stepped
+            once per step all the same, so use one that does not depend on the total (constant, warm-up).
         gradient_sync: FSDP2 models only: ``"boundary"`` (default; one reduce-scatter per optimizer step, unsharded
             gradients held inside the window) or ``"every_micro_batch"`` (reduce-scatter each micro-batch into
             sharded gradients; less memory, more traffic). See accum_sched/fsdp_backend.py.
@@ -104,7 +129,8 @@ class AccumulationEngine:
     def __init__(self, model, optimizer=None, schedule=1, *, lr_scheduler=None, max_grad_norm: float | None = None,
                  normalize: str = "elements", uneven: str = "truncate", nonfinite: str = "skip",
                  precision: str = "fp32", micro_batch_size: int | None = None, count_allreduce: bool = True,
-                 lr_coupling: str = "none", gradient_sync: str = "boundary"):
+                 lr_coupling: str = "none", noise_scale: bool = False, adaptive=None,
+                 gradient_sync: str = "boundary"):
         for name, value, allowed in (("normalize", normalize, NORMALIZE), ("uneven", uneven, UNEVEN),
                                      ("nonfinite", nonfinite, NONFINITE), ("precision", precision, PRECISION),
                                      ("lr_coupling", lr_coupling, LR_COUPLING)):
@@ -113,6 +139,16 @@ class AccumulationEngine:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm!r} must be > 0, or None for no clipping")
         self.schedule = AccumulationSchedule(schedule)
+        self.adaptive = None
+        if adaptive is not None:
+            from accum_sched.adaptive import AdaptiveFactor
+
+            if self.schedule.milestones != AccumulationSchedule(1).milestones:
+                raise ValueError("give either a schedule or adaptive=, not both")
+            self.adaptive = AdaptiveFactor.build(adaptive)
+            noise_scale = True
+        if lr_coupling == "adascale" and not noise_scale:
+            raise ValueError("lr_coupling='adascale' needs the noise scale: set noise_scale=True (or adaptive=)")
         self.model = model
         self.normalize, self.uneven, self.nonfinite = normalize, uneven, nonfinite
         self.max_grad_norm = max_grad_norm
@@ -120,13 +156,14 @@ class AccumulationEngine:
         self.lr_coupling = lr_coupling
         self.micro_batch_size = micro_batch_size
         scaler = None
-        if precision == "fp16":
+        if precision == "fp16" and not is_deepspeed_engine(model):  # DeepSpeed's fp16 brings its own loss scaler
             if not torch.cuda.is_available():
                 raise ValueError("precision='fp16' needs a CUDA device (GradScaler); use 'bf16' on CPU")
             scaler = torch.amp.GradScaler("cuda")
         self.backend = make_backend(model, optimizer, lr_scheduler, scaler, count_allreduce, gradient_sync)
         self.world_size = self.backend.world_size
         self.callbacks: list[Callable[[StepInfo], None]] = []
+        self.noise = self._make_noise() if noise_scale else None
 
         # position and counters (all identical on every rank; see state_dict)
         self.epoch_index = 0  # the epoch to run next (or running)
@@ -136,7 +173,7 @@ class AccumulationEngine:
         self.micro_steps = 0  # micro-batches run on this rank
         self.elements = 0  # global
         self.samples = 0  # global
-        self.factor = self.schedule.factor_for(self._position())
+        self.factor = self._factor_for()
         self.last_step: StepInfo | None = None
         self._rounds_offset = 0
         self._stop_requested = False
@@ -182,6 +219,25 @@ class AccumulationEngine:
     def _position(self) -> Position:
         return Position(epoch=self.epoch_index, step=self.optimizer_steps, samples=self.samples, tokens=self.elements)
 
+    def _factor_for(self) -> int:
+        """The factor of the window starting now: the adaptive controller's, or the schedule's."""
+        return (self.adaptive or self.schedule).factor_for(self._position())
+
+    def _make_noise(self):
+        """The noise-scale measurement (accum_sched.noise_scale), refused where the local gradient is not at hand."""
+        from accum_sched.noise_scale import WindowNoise
+
+        if self.normalize != "elements":
+            raise ValueError("noise_scale needs normalize='elements' (the estimator works on per-element means)")
+        if type(self.backend).__name__ == "FSDPBackend":  # its probes read DDP buckets or whole local gradients
+            raise ValueError("noise_scale / adaptive are not measured with FSDP2 yet; use DDP or DeepSpeed ZeRO-0")
+        if self.precision == "fp16":
+            raise ValueError("noise_scale is not measured under fp16 (loss-scaled local gradients); use bf16 or fp32")
+        if self.adaptive is not None and self.world_size == 1 and self.adaptive.min_factor < 2:
+            raise ValueError("adaptive in one process needs min_factor >= 2: the noise scale is estimated from the "
+                             "micro-batches of a window, and a window of one micro-batch has a single batch size")
+        return WindowNoise(self.backend, self.adaptive.ema if self.adaptive is not None else 0.95)
+
     # -- the loop -----------------------------------------------------------------------------------------------
     def autocast(self):
         """Context for the forward pass under the configured precision (a no-op for fp32)."""
@@ -215,7 +271,7 @@ class AccumulationEngine:
             next(iterator)
         consumed = start
         while consumed < total and not self.should_stop:
-            factor = self.schedule.factor_for(self._position())
+            factor = self._factor_for()
             size = min(factor, total - consumed)
             self.factor = factor
             self._prescale = self._window_prescale(size)
@@ -241,9 +297,9 @@ class AccumulationEngine:
             self.epoch_index, self.micro_in_epoch = epoch + 1, 0
 
     def _agree_epoch(self, epoch: int, num_batches: int, start: int) -> int:
-        factor = self.schedule.factor_for(self._position())
+        factor = self._factor_for()
         ranges = collective.agree(
-            {"accumulation factor": factor, "schedule fingerprint": self.schedule.fingerprint(),
+            {"accumulation factor": factor, "schedule fingerprint": (self.adaptive or self.schedule).fingerprint(),
              "resume position": start, "micro-batches per epoch": num_batches,
              "micro-batch size": self.micro_batch_size or 0},
             context=f"at the start of epoch {epoch}", allow=("micro-batches per epoch",))
@@ -282,6 +338,8 @@ class AccumulationEngine:
             self.backend.backward(loss_sum * self._prescale)
         else:
             self.backend.backward(loss_sum)
+        if self.noise is not None:
+            self.noise.after_backward(n, self._prescale, self._boundary)
         self.micro_steps += 1
 
     @property
@@ -348,9 +406,12 @@ class AccumulationEngine:
             coef = (self.micro_batch_size * size * self.world_size) / max(n_total, 1.0)
         else:
             coef = self._averaging / max(n_total, 1.0)
-        lr_scale = self._lr_scale(factor)
-        lr = self.backend.lr() * lr_scale
         grad_norm = float(norm) * coef
+        noise = None
+        if self.noise is not None:  # one all-reduce of four numbers (accum_sched.noise_scale)
+            noise = self.noise.finish_window(grad_norm * grad_norm, coef, n_total, update=not skip)
+        lr_scale = self._lr_scale(factor, noise, size, n_total)
+        lr = self.backend.lr() * lr_scale
         on_window = getattr(self.backend, "on_window", None)
         if on_window is not None:  # a back end with its own batch bookkeeping (DeepSpeed's GAS, global_samples)
             on_window(factor, size, int(round(samples)))
@@ -364,13 +425,17 @@ class AccumulationEngine:
         self.elements += n_total_int
         self.samples += int(round(samples))
         self.should_stop = stop > 0
+        reason = None
+        if self.adaptive is not None:  # decides the next window's factor from all-reduced numbers only
+            reason = self.adaptive.reason
+            self.adaptive.after_window(self.optimizer_steps, noise["noise_scale"], n_total, size)
         self._win_loss = self._win_n = None
         self._win_samples = 0
         self._stats = self._stats_work = None
         info = StepInfo(epoch=epoch, step=self.optimizer_steps, factor=factor, micro_batches=size,
                         elements=n_total_int, samples=int(round(samples)),
                         loss=loss_total / n_total if n_total else float("nan"), lr=lr,
-                        grad_norm=grad_norm, skipped=skip)
+                        grad_norm=grad_norm, skipped=skip, noise=noise, factor_reason=reason)
         self.last_step = info
         if skip and collective.rank() == 0:
             log.warning("step %d skipped: %s", self.optimizer_steps,
@@ -378,16 +443,25 @@ class AccumulationEngine:
         for callback in self.callbacks:
             callback(info)
 
-    def _lr_scale(self, factor: int) -> float:
+    def _lr_scale(self, factor: int, noise: dict | None = None, size: int = 1, n_total: float = 0.0) -> float:
         """LR multiplier for a window of ``factor``: effective batch relative to the schedule's first factor.
 
         Linear keeps LR / batch constant (Goyal et al. 2017); sqrt keeps the update noise's variance constant.
         Smith et al. 2017 argue the other way round (grow the batch *instead of* decaying the LR), which is why
-        the default is none.
+        the default is none. AdaScale (Johnson et al. 2020) uses the gain (B_noise/B0 + 1) / (B_noise/B + 1) of
+        this window's batch B over the first factor's batch B0 (between 1 and B/B0; 1 while there is no estimate).
         """
         if self.lr_coupling == "none":
             return 1.0
-        ratio = factor / self.schedule.factor_at(0)
+        first = (self.adaptive or self.schedule).factor_at(0)
+        if self.lr_coupling == "adascale":
+            b_noise = None if noise is None else noise["noise_scale"]
+            if b_noise is None or not b_noise > 0 or not n_total > 0:
+                return 1.0
+            batch = float(n_total)
+            base = batch * first / size  # the first factor's batch at this window's elements per micro-batch
+            return (b_noise / base + 1.0) / (b_noise / batch + 1.0)
+        ratio = factor / first
         return ratio if self.lr_coupling == "linear" else ratio ** 0.5
 
     # -- resume -------------------------------------------------------------------------------------------------
@@ -401,8 +475,17 @@ class AccumulationEngine:
             "micro_batches": self.micro_steps, "elements": self.elements, "samples": self.samples,
             "allreduce_rounds": self.allreduce_rounds or 0, "factor": self.factor, "world_size": self.world_size,
             "schedule": [list(m) for m in self.schedule.milestones], "unit": self.schedule.unit,
-            "backend": self.backend.state_dict(),
+            "backend": self.backend.state_dict(), **self._noise_state(),
         }
+
+    def _noise_state(self) -> dict:
+        """The noise-scale EMAs and the adaptive controller's decisions (resume repeats them bit for bit)."""
+        out = {}
+        if self.noise is not None:
+            out["noise_scale"] = self.noise.estimator.state_dict()
+        if self.adaptive is not None:
+            out["adaptive"] = self.adaptive.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``: the next :meth:`micro_batches` call skips what was already trained."""
@@ -414,7 +497,11 @@ class AccumulationEngine:
         self.elements = int(state["elements"])
         self.samples = int(state.get("samples", 0))
         self._rounds_offset = int(state.get("allreduce_rounds", 0)) - (self.backend.allreduce_rounds or 0)
-        self.factor = self.schedule.factor_for(self._position())
+        if self.noise is not None and "noise_scale" in state:
+            self.noise.estimator.load_state_dict(state["noise_scale"])
+        if self.adaptive is not None and "adaptive" in state:
+            self.adaptive.load_state_dict(state["adaptive"])
+        self.factor = self._factor_for()
         self.should_stop = self._stop_requested = False
         self.backend.load_state_dict(state.get("backend", {}))
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import socket
 import sys
 import time
 
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from launcher import checkpoint_store as store
+from launcher import coordination
 from launcher.errors import ConfigError
 
 DS_TAG = "deepspeed"
@@ -89,6 +91,19 @@ def seed_rank(seed: int, rank: int, step: int, device: torch.device) -> None:
         np.random.seed(value % 2**32)
     except ImportError:
         pass
+
+
+def own_optimizer_state(optimizer) -> None:
+    """Give the optimizer private copies of host tensors it took over from an mmap-loaded checkpoint.
+
+    ``optimizer.load_state_dict`` keeps a loaded tensor as it is when dtype and device already match (CPU
+    training), so its state would stay backed by trainer.pt's pages; a state entry that is never updated in place
+    (a parameter without a gradient) would then read a file that rotation, maybe on another node, deletes. State
+    moved to a GPU is a copy already."""
+    for entry in optimizer.state.values():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                entry[key] = value.clone()
 
 
 # -- the sample order of one epoch ------------------------------------------------------------------------------
@@ -154,26 +169,32 @@ class Checkpointer:
     """Saves and restores one rank's training state. Built by the Trainer before its schedule (the resume point
     decides a rescaled schedule on a world-size change); ``restore(trainer)`` before training.
 
-    ``resume`` is None (start afresh: checkpoints of an earlier run in the folder are removed), ``"auto"`` or a
-    path. Under torchrun, a restarted worker group (TORCHELASTIC_RESTART_COUNT > 0) resumes from the newest valid
-    checkpoint by itself, falling back to ``resume`` when the failed attempt had not saved one yet.
+    ``resume`` is None (start afresh: checkpoints of an earlier run in the folder are moved aside), ``"auto"`` or a
+    path. A restarted worker group (TORCHELASTIC_RESTART_COUNT > 0) or a requeued SLURM job (SLURM_RESTART_COUNT
+    > 0) resumes from the newest valid checkpoint by itself, falling back to ``resume`` when the failed attempt
+    had not saved one yet.
     """
 
-    def __init__(self, cfg, rank: int, world: int, resume: str | None = None, device=None):
+    def __init__(self, cfg, rank: int, world: int, resume: str | None = None, device=None, group=None):
         self.cfg, self.rank, self.world = cfg, rank, world
+        # every collective below runs on the gloo coordination group (launcher/coordination.py), not the default one
+        self.group = group if group is not None else coordination.group()
         self.device = device or torch.device("cpu")
         self.root = os.path.abspath(store.checkpoint_root(cfg))
         self.every = cfg.checkpoint.every_n_steps
         self.keep = cfg.checkpoint.keep_last
         self.hash = store.config_hash(cfg)
         self.trainer = None
-        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        # a restart of torchrun's worker group, or of a requeued SLURM job: both continue from the newest checkpoint
+        self.restarts = sum(int(os.environ.get(name, "0") or 0)
+                            for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
         self.fresh = resume is None and self.restarts == 0
         self.found = None if self.fresh else self._on_rank0(lambda: self._locate(resume))
         self.scale = (1, 1)
         self.diffs: list = []
         if self.found is not None:
             path, manifest = self.found
+            self._together(f"resuming from {path}", lambda: self._must_see(path, store.MANIFEST))
             self.diffs = self._on_rank0(lambda: store.check_config(path, manifest, cfg))
             self.scale = self._on_rank0(lambda: store.factor_scale(dict(manifest, name=path), cfg, world))
         self._last_saved = -1
@@ -200,7 +221,7 @@ class Checkpointer:
                 error = f"{type(exc).__name__}: {exc}"
         if self._distributed():
             box = [result, error]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=self.group)
             result, error = box
         if error:
             raise CheckpointError(error)
@@ -208,7 +229,7 @@ class Checkpointer:
 
     def _barrier(self) -> None:
         if self._distributed():
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def _say(self, text: str, stream=None) -> None:
         if self.rank == 0:
@@ -242,16 +263,12 @@ class Checkpointer:
         self.trainer = trainer
         if self.found is None:
             if self.rank == 0:
-                if self.fresh:
-                    old = store.list_checkpoints(self.root)
-                    if old:  # moved aside, never deleted: forgetting --resume must not lose a run
-                        aside = os.path.join(self.root, time.strftime("superseded-%Y%m%d-%H%M%S"))
-                        os.makedirs(aside, exist_ok=True)
-                        for _, p in old:
-                            os.replace(p, os.path.join(aside, os.path.basename(p)))
-                        self._say(f"starting afresh: moved {len(old)} checkpoint(s) of an earlier run to {aside} "
-                                  f"(run with --resume to continue a run; delete that folder when not needed)",
-                                  sys.stderr)
+                moved = store.supersede(self.root) if self.fresh else None
+                if moved is not None:
+                    aside, old = moved
+                    self._say(f"starting afresh: moved {len(old)} checkpoint(s) of an earlier run to {aside} "
+                              f"(run with --resume to continue a run; delete that folder when not needed)",
+                              sys.stderr)
                 store.truncate_metrics(trainer.run_dir, 0)
             return 0
         path, manifest = self.found
@@ -283,7 +300,7 @@ class Checkpointer:
         if state.get("last_step"):
             from accum_sched.engine import StepInfo
 
-            engine.last_step = StepInfo(**state["last_step"])
+            engine.last_step = StepInfo.from_dict(state["last_step"])  # flat metrics line -> StepInfo
         trainer.sampler.set_epoch(int(state["sampler_epoch"]))
 
         step = int(engine_state["optimizer_steps"])
@@ -311,7 +328,9 @@ class Checkpointer:
 
     def _load(self, path: str) -> dict:
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            # mmap: tensors stay file-backed pages (shared through the page cache by the ranks of a node) until
+            # load_state_dict copies them into place, instead of one private copy of the whole file per rank
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # checksums passed, so this is a format problem: name the file
             raise CheckpointError(f"{path}: cannot be loaded ({type(exc).__name__}: {exc})") from exc
 
@@ -332,6 +351,7 @@ class Checkpointer:
         else:
             trainer.model.load_state_dict(state["model"])
             trainer.optimizer.load_state_dict(state["optimizer"])
+            own_optimizer_state(trainer.optimizer)
         if trainer.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])  # also when DeepSpeed does not own it
         scaler = getattr(trainer.engine.backend, "scaler", None)
@@ -386,10 +406,13 @@ class Checkpointer:
         # Three phases, each closed by a gather of every rank's error (if any): a rank that fails to write makes
         # all of them raise at once instead of leaving the others waiting in a barrier until the timeout.
         self._together(f"preparing {tmp}", lambda: self._make_tmp(tmp) if self.rank == 0 else None)
+        # every rank sees what rank 0 made (else DeepSpeed shards land on a node's own disk), checked before any rank
+        # enters DeepSpeed's collective save, which a rank that stopped alone would leave hanging
+        self._together(f"preparing {tmp}", lambda: self._must_see(tmp))
         mine = {"now": rng_state(self.device), "epoch_start": self._epoch_start_rng}
         rngs = [None] * self.world
         if self._distributed():
-            dist.all_gather_object(rngs, mine)
+            dist.all_gather_object(rngs, mine, group=self.group)
         else:
             rngs = [mine]
         engine_state = engine.state_dict()
@@ -424,6 +447,17 @@ class Checkpointer:
         self._together(f"committing {final}", commit)
         self._last_saved = step
         return final
+
+    def _must_see(self, path: str, name: str | None = None) -> None:
+        """Raise unless this rank sees ``path`` (a directory rank 0 chose or made), and ``name`` in it.
+
+        Rank 0 alone picks the checkpoint to resume and makes the directory a save writes into; every rank then reads
+        (resume) or writes (DeepSpeed shards) there, which needs one file system shared by every node."""
+        target = path if name is None else os.path.join(path, name)
+        if not (os.path.isdir(path) and (name is None or os.path.exists(target))):
+            raise CheckpointError(f"{target} (chosen by rank 0) is not visible on host {socket.gethostname()}: "
+                                  f"checkpoint.dir must be on a file system shared by every node "
+                                  f"(set checkpoint.dir to such a path)")
 
     def _make_tmp(self, tmp: str) -> None:
         os.makedirs(self.root, exist_ok=True)
@@ -460,7 +494,7 @@ class Checkpointer:
         errors = [error]
         if self._distributed():
             errors = [None] * self.world
-            dist.all_gather_object(errors, error)
+            dist.all_gather_object(errors, error, group=self.group)
         failed = [e for e in errors if e]
         if failed:
             raise CheckpointError(f"checkpoint {what} failed: {'; '.join(failed)}")

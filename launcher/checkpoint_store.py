@@ -18,6 +18,7 @@ import math
 import os
 import re
 import shutil
+import time
 
 from launcher.errors import ConfigError
 
@@ -96,6 +97,29 @@ def set_aside(path: str, suffix: str = "abandoned") -> str:
         target, k = f"{path}.{suffix}.{k}", k + 1
     os.rename(path, target)
     return target
+
+
+def supersede(root: str) -> tuple[str, list[str]] | None:
+    """A fresh start: move the committed checkpoints under ``root`` into ``root/superseded-<time>/`` (never
+    deleted: forgetting --resume must not lose a run). Returns ``(folder, moved paths)``, None if there were none."""
+    old = [path for _, path in list_checkpoints(root)]
+    if not old:
+        return None
+    stamp, k = time.strftime("superseded-%Y%m%d-%H%M%S"), 1
+    aside = os.path.join(root, stamp)
+    while os.path.exists(aside):  # two fresh starts within a second keep both sets
+        aside, k = os.path.join(root, f"{stamp}.{k}"), k + 1
+    os.makedirs(aside)
+    for path in old:
+        os.replace(path, os.path.join(aside, os.path.basename(path)))
+    return aside, old
+
+
+def unsupersede(root: str, aside: str) -> None:
+    """Undo `supersede` (a submission that failed after moving the checkpoints): move them back, drop the folder."""
+    for name in os.listdir(aside):
+        os.replace(os.path.join(aside, name), os.path.join(root, name))
+    os.rmdir(aside)
 
 
 def rotate(root: str, keep: int) -> list[str]:

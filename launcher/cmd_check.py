@@ -40,6 +40,12 @@ def main(args) -> int:
     epochs_shown = cfg.run.epochs if schedule.unit == "epoch" else None
     print(schedule.table(cfg.data.micro_batch_size, cfg.world_size, epochs=epochs_shown,
                          batches_per_epoch=args.batches_per_epoch))
+    if cfg.accumulation.adaptive is not None:  # the table shows the first windows only
+        from launcher.noise_config import adaptive_settings
+
+        a = adaptive_settings(cfg.accumulation.adaptive)
+        print(f"adaptive: the factor follows the measured noise scale within {a['min_factor']}..{a['max_factor']} "
+              f"(decided every {a['every_n_steps']} optimizer steps); the table shows the start")
     if args.batches_per_epoch is None:
         print("(give --batches-per-epoch N to see optimizer steps)")
     elif schedule.unit != "epoch":

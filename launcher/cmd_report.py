@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from launcher import report
+from launcher import report, report_noise
 from launcher.errors import ConfigError
 
 
@@ -54,7 +54,13 @@ def main(args) -> int:
     text = report.format_summary(numbers, run_dir)
     png = os.path.join(run_dir, "report.png")
     report.render(history, numbers, png, report.title(numbers, run_dir))
+    pictures = f"picture           {png}"
+    if report_noise.has_noise(history):  # accumulation.noise_scale / adaptive: B_noise next to the batch
+        text += report_noise.summary_line(history)
+        noise_png = os.path.join(run_dir, "noise_scale.png")
+        report_noise.render_noise(history, noise_png, report.title(numbers, run_dir))
+        pictures += f"\nnoise scale plot  {noise_png}"
     with open(os.path.join(run_dir, "report.txt"), "w", encoding="utf-8") as f:
         f.write(text)
-    print(text + f"picture           {png}", flush=True)
+    print(text + pictures, flush=True)
     return 0

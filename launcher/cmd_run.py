@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from launcher import checkpoint_store
+from launcher import env as launch_env
 from launcher.cmd_check import preflight
 from launcher.config import load_config, write_resolved
 from launcher.errors import ConfigError
@@ -26,6 +27,18 @@ def add_parser(sub) -> None:
     p.set_defaults(func=main)
 
 
+def check_devices(cfg) -> None:
+    """GPU settings this node cannot honour stop here with exit 2 (launcher/env.py: check_devices); gloo on a GPU
+    machine only warns. Needs torch's view of the GPUs (CUDA_VISIBLE_DEVICES included): imported here, lazily, so
+    `check` and `slurm` stay torch-free."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    warning = launch_env.check_devices(cfg.distributed.process_group, cfg.distributed.nproc_per_node, count)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+
+
 def main(args) -> int:
     overrides = list(args.set)
     for flag, key in (("nproc_per_node", "distributed.nproc_per_node"), ("nnodes", "distributed.nnodes"),
@@ -43,6 +56,7 @@ def main(args) -> int:
         raise ConfigError("--node-rank", f"{args.node_rank} is outside 0..{dist.nnodes - 1}", "number nodes from 0")
     preflight(cfg)
     checkpoint_store.preflight(cfg, args.resume)  # damaged checkpoint, other config or world size: exit 2 here
+    check_devices(cfg)
 
     run_dir = cfg.run.output_dir
     os.makedirs(run_dir, exist_ok=True)

@@ -1,6 +1,11 @@
 """`accum-sched slurm CONFIG`: validate, render the sbatch script, write it into the run directory and submit it.
 
 Runs on login nodes, so it never imports torch. `--dry-run` prints the script and writes nothing.
+
+The checkpoint policy is `accum-sched run`'s, applied before anything is queued: without --resume an earlier run's
+checkpoints in the run directory are moved aside (the job starts afresh; a requeued run of it still resumes its
+own checkpoints); with --resume the checkpoint must exist, be intact and match the config and world size, or the
+command stops with exit 2 and nothing is submitted.
 """
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import json
 import os
 import sys
 
+from launcher import checkpoint_store
 from launcher.cmd_check import preflight
 from launcher.config import Config, load_config, write_resolved
 from launcher.errors import ConfigError
@@ -34,6 +40,9 @@ def add_parser(sub) -> None:
     p.add_argument("--signal", help="preemption warning, NAME[@SECONDS] (slurm.signal, default USR2@90)")
     p.add_argument("--template", help=f"{' or '.join(TEMPLATES)} (one task per worker), or a template file "
                                       f"(slurm.template)")
+    p.add_argument("--resume", nargs="?", const="auto", default=None, metavar="auto|PATH",
+                   help="continue from the newest valid checkpoint (auto) or a given one; without it an earlier "
+                        "run's checkpoints are moved aside and the job starts afresh")
     p.add_argument("--dry-run", action="store_true", help="print the script instead of writing and submitting it")
     p.set_defaults(func=main)
 
@@ -60,7 +69,7 @@ def _strings(cfg: Config, key: str) -> tuple[str, ...]:
     return tuple(items)
 
 
-def build_job(cfg: Config, config_path: str, workdir: str, python: str) -> SlurmJob:
+def build_job(cfg: Config, config_path: str, workdir: str, python: str, resume: str | None = None) -> SlurmJob:
     s, dist = cfg.slurm, cfg.distributed
     time = s.time
     if time is not None and not isinstance(time, str):
@@ -74,7 +83,7 @@ def build_job(cfg: Config, config_path: str, workdir: str, python: str) -> Slurm
         nodes=dist.nnodes, nproc_per_node=dist.nproc_per_node, gpus_per_node=s.gpus_per_node,
         cpus_per_worker=s.cpus_per_worker, partition=s.partition, time=time, account=s.account, signal=s.signal,
         requeue=s.requeue, max_restarts=dist.max_restarts, extra_sbatch=_strings(cfg, "extra_sbatch"),
-        setup=_strings(cfg, "setup"))
+        setup=_strings(cfg, "setup"), resume=resume)
 
 
 def _hint(output: str) -> str:
@@ -99,8 +108,12 @@ def main(args) -> int:
     run_dir = os.path.abspath(cfg.run.output_dir)
     # The job may start from another directory: pin the run directory in the config the workers read.
     cfg = load_config(args.config, _overrides(args) + [f"run.output_dir={json.dumps(run_dir)}"])
+    resume = args.resume if args.resume in (None, "auto") else os.path.abspath(args.resume)
+    # As `run` does, before queueing: a damaged checkpoint, another config or world size is an error now, not on
+    # the compute node after the job waited in the queue.
+    checkpoint_store.preflight(cfg, resume)
     config_path = os.path.join(run_dir, "config.yaml")
-    job = build_job(cfg, config_path, workdir, sys.executable)
+    job = build_job(cfg, config_path, workdir, sys.executable, resume)
     script = render_job(job)
     if args.dry_run:
         sys.stdout.write(script)
@@ -114,12 +127,20 @@ def main(args) -> int:
         f.write(script)
     os.chmod(tmp, 0o755)
     os.replace(tmp, script_path)
+    # A fresh job must not find the earlier run's checkpoints (its requeued runs resume whatever is newest).
+    root = os.path.abspath(checkpoint_store.checkpoint_root(cfg))
+    moved = None if resume else checkpoint_store.supersede(root)
     try:
         job_id = submit(script_path)
     except SbatchError as err:
+        if moved is not None:  # nothing was queued: put them back
+            checkpoint_store.unsupersede(root, moved[0])
         print(err.output, file=sys.stderr)  # sbatch's own words, verbatim
         print(f"error: sbatch failed (exit {err.returncode}) for {script_path}; {_hint(err.output)}", file=sys.stderr)
         return 2
+    if moved is not None:
+        print(f"accum-sched: starting afresh: moved {len(moved[1])} checkpoint(s) of an earlier run to {moved[0]} "
+              f"(submit with --resume to continue a run)", file=sys.stderr)
     print(f"submitted batch job {job_id}: {script_path}; log {os.path.join(run_dir, f'slurm-{job_id}.out')}",
           flush=True)
     return 0

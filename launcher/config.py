@@ -14,6 +14,7 @@ from typing import Any, Callable
 import yaml
 
 from accum_sched.schedule import UNITS, AccumulationSchedule
+from launcher import noise_config
 from launcher.errors import ConfigError
 
 REQUIRED = object()
@@ -79,11 +80,14 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "accumulation": {
         "schedule": Field("schedule", None, nullable=True),  # None: factor 1, or derived from global_batch
         "global_batch": Field("int", None, nullable=True, check=_at_least(1)),
-        "lr_coupling": Field("str", "none", choices=("none", "linear", "sqrt")),
+        "lr_coupling": Field("str", "none", choices=("none", "linear", "sqrt", "adascale")),
         "unit": Field("str", "epoch", choices=UNITS),
         "normalize": Field("str", "elements", choices=("elements", "micro_batches")),
         "uneven": Field("str", "truncate", choices=("truncate", "error")),
         "nonfinite": Field("str", "skip", choices=("skip", "raise")),
+        # the gradient noise scale of every window, and a factor that follows it (launcher/noise_config.py)
+        "noise_scale": Field("bool", False),
+        "adaptive": Field("mapping", None, nullable=True),
     },
     "optimizer": {
         "name": Field("str", "adamw", choices=("sgd", "adam", "adamw")),
@@ -118,6 +122,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "force_resume": Field("bool", False),
         # resuming on another world size: error | keep_global_batch | keep_factor (notes/checkpoint.md)
         "on_world_change": Field("str", "error", choices=("error", "keep_global_batch", "keep_factor")),
+        # how long ranks wait while rank 0 writes, hashes or verifies a checkpoint (launcher/coordination.py)
+        "timeout_s": Field("int", 3600, check=_at_least(10)),
     },
     "logging": {
         "progress": Field("str", "auto", choices=("auto", "bar", "plain", "none")),
@@ -309,9 +315,11 @@ def validate(raw: dict) -> Config:
     cfg = Config(sections)
     _cross_check(cfg)
     if cfg.distributed.backend == "deepspeed":
-        from launcher import deepspeed_setup  # its JSON may hold the schedule (torch-free, like this module)
+        from launcher import deepspeed_setup  # its JSON may hold the schedule (torch-free; it never imports us)
 
-        cfg = deepspeed_setup.resolve(cfg)
+        raw = deepspeed_setup.resolved_raw(cfg)
+        if raw is not None:
+            cfg = validate(raw)
     return cfg
 
 
@@ -331,6 +339,9 @@ def _cross_check(cfg: Config) -> None:
     if cfg.distributed.backend != "fsdp" and cfg.distributed.fsdp != fsdp_defaults:
         raise ConfigError("distributed.fsdp", f"is set but distributed.backend is {cfg.distributed.backend}",
                           "set distributed.backend: fsdp, or remove distributed.fsdp")
+    if cfg.distributed.backend == "fsdp" and (cfg.accumulation.noise_scale or cfg.accumulation.adaptive is not None):
+        field = "accumulation.noise_scale" if cfg.accumulation.noise_scale else "accumulation.adaptive"
+        raise ConfigError(field, "is not measured with backend: fsdp yet", "use backend ddp, or remove it")
     if cfg.distributed.backend == "fsdp" and cfg.run.precision == "fp16":
         raise ConfigError("run.precision", "fp16 is not supported with backend: fsdp (GradScaler would find "
                           "overflows per shard, so ranks could disagree)", "use bf16, or distributed.fsdp.param_dtype")
@@ -346,6 +357,7 @@ def _cross_check(cfg: Config) -> None:
     if cfg.optimizer.betas is not None and cfg.optimizer.name == "sgd":
         raise ConfigError("optimizer.betas", "applies to adam/adamw only", "remove it or use optimizer.momentum")
     del schedule
+    noise_config.check(cfg)
 
 
 # -- loading ----------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from dataclasses import dataclass
 
 from accum_sched.schedule import AccumulationSchedule
 from launcher.errors import ConfigError
@@ -29,7 +30,40 @@ OUR_KEY = "accum_sched"  # {"schedule": ..., "unit": ...} inside the DeepSpeed J
 OUR_FIELDS = ("schedule", "unit")
 
 
-# -- reading ----------------------------------------------------------------------------------------------------
+# -- reading: once per process -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeepSpeedJson:
+    """The DeepSpeed config of a run, parsed and checked once: ``config`` without our key (read-only: copy it before
+    changing it), ``ours`` our key's content (``schedule``, ``unit``), ``source`` the file it came from (or None)."""
+
+    config: dict
+    ours: dict
+    source: str | None
+
+
+_PARSED: dict = {}  # cache key -> DeepSpeedJson: a worker validates, resolves and builds from the same parse
+
+
+def parse(cfg) -> DeepSpeedJson:
+    """``distributed.deepspeed_config`` read, parsed and split into DeepSpeed's part and ours (cached per file
+    version or inline content)."""
+    source = cfg.distributed.deepspeed_config
+    if isinstance(source, dict):
+        key = ("inline", json.dumps(source, sort_keys=True, default=str))
+    elif isinstance(source, str) and os.path.isfile(source):
+        info = os.stat(source)
+        key = ("file", os.path.abspath(source), info.st_mtime_ns, info.st_size)
+    else:
+        key = None  # an error below; nothing to cache
+    if key is not None and key in _PARSED:
+        return _PARSED[key]
+    data = load_json(cfg)
+    ours = _ours(data)
+    parsed = DeepSpeedJson(config=data, ours=ours, source=source if isinstance(source, str) else None)
+    _PARSED[key] = parsed
+    return parsed
+
+
 def load_json(cfg) -> dict:
     """The DeepSpeed config as a fresh dict (from the file, or a copy of the inline mapping)."""
     source = cfg.distributed.deepspeed_config
@@ -72,19 +106,13 @@ def _ours(ds: dict) -> dict:
     return ours
 
 
-def _same_schedule(a, unit_a: str, b, unit_b: str) -> bool:
-    return AccumulationSchedule(a, unit_a) == AccumulationSchedule(b, unit_b)
-
-
-# -- resolving (called by launcher.config.validate: the resolved config.yaml then holds the real schedule) -------
-def resolve(cfg):
-    """``cfg`` with the schedule the DeepSpeed JSON gives (our key, or a constant ``gradient_accumulation_steps``)
-    moved into ``accumulation``, and a file path made absolute. Returns ``cfg`` itself when nothing changes."""
-    from launcher.config import validate  # config imports this module lazily; no cycle at import time
-
-    ds = load_json(cfg)
-    ours = _ours(ds)
-    acc = cfg.accumulation
+# -- resolving (launcher.config.validate calls it: the resolved config.yaml then holds the real schedule) --------
+def resolved_raw(cfg) -> dict | None:
+    """``cfg`` as a raw dict with the schedule the DeepSpeed JSON gives (our key, or a constant
+    ``gradient_accumulation_steps``) moved into ``accumulation`` and a file path made absolute, for
+    launcher.config to validate again; None when nothing changes. The one place the two schedules are compared."""
+    parsed = parse(cfg)
+    ours, acc = parsed.ours, cfg.accumulation
     raw = cfg.to_dict()
     changed = False
     source = cfg.distributed.deepspeed_config
@@ -96,7 +124,8 @@ def resolve(cfg):
         if acc.global_batch is not None:
             raise ConfigError(f"{FIELD}.{OUR_KEY}.schedule", "is given together with accumulation.global_batch",
                               "keep one of them")
-        if acc.schedule is not None and not _same_schedule(acc.schedule, acc.unit, ours["schedule"], unit):
+        if acc.schedule is not None and (AccumulationSchedule(acc.schedule, acc.unit)
+                                         != AccumulationSchedule(ours["schedule"], unit)):
             raise ConfigError(f"{FIELD}.{OUR_KEY}.schedule",
                               f"{ours['schedule']} ({unit}) differs from accumulation.schedule {acc.schedule} "
                               f"({acc.unit})", "keep the schedule in one place")
@@ -104,11 +133,11 @@ def resolve(cfg):
             raw["accumulation"].update(schedule=ours["schedule"], unit=unit)
             changed = True
     elif acc.schedule is None and acc.global_batch is None:
-        factor = _constant_factor(ds, cfg)
+        factor = _constant_factor(parsed.config, cfg)
         if factor is not None:  # an existing JSON's fixed accumulation becomes the (constant) schedule
             raw["accumulation"]["schedule"] = factor
             changed = True
-    return validate(raw) if changed else cfg
+    return raw if changed else None
 
 
 def _constant_factor(ds: dict, cfg) -> int | None:
@@ -122,7 +151,21 @@ def _constant_factor(ds: dict, cfg) -> int | None:
     return None
 
 
-# -- checking before launch -------------------------------------------------------------------------------------
+# -- checking before launch (each check one concern; validate runs them all) -----------------------------------
+def validate(cfg, world_size: int | None) -> None:
+    """Check the DeepSpeed config against the run config; raise ConfigError naming the field and the numbers.
+
+    ``world_size`` None skips the checks that need it (the world is known only at launch). The schedule written in
+    both places was compared when the config was resolved (resolved_raw).
+    """
+    ds = parse(cfg).config
+    _check_batch_keys(cfg, ds, world_size)
+    _check_precision(ds, cfg.run.precision)
+    _check_clipping(cfg, ds)
+    _check_accumulation_and_zero(ds)
+    _check_optimizer_owner(cfg, ds)
+
+
 def _pieces(schedule: AccumulationSchedule, epochs: int) -> list[tuple[str, int]]:
     """("epoch 4", factor) for every constant piece of the schedule that the run reaches."""
     pairs = list(schedule.milestones)
@@ -143,27 +186,8 @@ def _int_key(ds: dict, key: str) -> int | None:
     return value
 
 
-def _enabled(ds: dict, *keys: str) -> bool:
-    return any(isinstance(ds.get(k), dict) and bool(ds[k].get("enabled", False)) for k in keys)
-
-
-def _trivial_lr_scheduler(cfg) -> bool:
-    section = cfg.lr_scheduler
-    return section is None or (section.name == "constant" and section.warmup_steps == 0)
-
-
-def validate(cfg, world_size: int | None) -> None:
-    """Check the DeepSpeed config against the run config; raise ConfigError naming the field and the numbers.
-
-    ``world_size`` None skips the checks that need it (the world is known only at launch).
-    """
-    ds = load_json(cfg)
-    ours = _ours(ds)
-    acc = cfg.accumulation
-    if "schedule" in ours and acc.schedule is not None and not _same_schedule(
-            acc.schedule, acc.unit, ours["schedule"], ours.get("unit", acc.unit)):
-        raise ConfigError(f"{FIELD}.{OUR_KEY}.schedule", f"{ours['schedule']} differs from accumulation.schedule "
-                          f"{acc.schedule}", "keep the schedule in one place")
+def _check_batch_keys(cfg, ds: dict, world_size: int | None) -> None:
+    """The JSON's micro-batch, accumulation steps and global batch agree with every piece of the schedule."""
     micro = cfg.data.micro_batch_size
     ds_micro = _int_key(ds, "train_micro_batch_size_per_gpu")
     if ds_micro is not None and ds_micro != micro:
@@ -171,23 +195,60 @@ def validate(cfg, world_size: int | None) -> None:
                           f"{ds_micro} disagrees with data.micro_batch_size = {micro}",
                           "remove it from the DeepSpeed JSON (accum-sched fills it in) or make the two equal")
     gas, tbs = _int_key(ds, "gradient_accumulation_steps"), _int_key(ds, "train_batch_size")
-    if world_size is not None and (gas is not None or tbs is not None):
-        for where, factor in _pieces(cfg.schedule_for(world_size), cfg.run.epochs):
-            want = micro * factor * world_size
-            numbers = f"micro {micro} x factor {factor} x world {world_size} = {want}"
-            if gas is not None and gas != factor:
-                key, problem = "gradient_accumulation_steps", (
-                    f"{gas} disagrees with the schedule at {where} (factor {factor}): train_batch_size "
-                    f"{tbs if tbs is not None else micro * gas * world_size} vs {numbers}")
-            elif tbs is not None and tbs != want:
-                key, problem = "train_batch_size", (
-                    f"{tbs} disagrees with the schedule at {where}: train_batch_size {tbs} vs {numbers}")
-            else:
-                continue
-            raise ConfigError(f"{FIELD}.{key}", problem,
-                              "remove gradient_accumulation_steps and train_batch_size from the DeepSpeed JSON: "
-                              "accum-sched sets them from the schedule at every factor change")
-    _check_precision(ds, cfg.run.precision)
+    if world_size is None or (gas is None and tbs is None):
+        return
+    for where, factor in _pieces(cfg.schedule_for(world_size), cfg.run.epochs):
+        want = micro * factor * world_size
+        numbers = f"micro {micro} x factor {factor} x world {world_size} = {want}"
+        if gas is not None and gas != factor:
+            key, problem = "gradient_accumulation_steps", (
+                f"{gas} disagrees with the schedule at {where} (factor {factor}): train_batch_size "
+                f"{tbs if tbs is not None else micro * gas * world_size} vs {numbers}")
+        elif tbs is not None and tbs != want:
+            key, problem = "train_batch_size", (
+                f"{tbs} disagrees with the schedule at {where}: train_batch_size {tbs} vs {numbers}")
+        else:
+            continue
+        raise ConfigError(f"{FIELD}.{key}", problem,
+                          "remove gradient_accumulation_steps and train_batch_size from the DeepSpeed JSON: "
+                          "accum-sched sets them from the schedule at every factor change")
+
+
+def _enabled(ds: dict, *keys: str) -> bool:
+    return any(isinstance(ds.get(k), dict) and bool(ds[k].get("enabled", False)) for k in keys)
+
+
+def _check_precision(ds: dict, precision: str) -> None:
+    """run.precision and the JSON's fp16 / bf16 sections say the same thing."""
+    bf16, fp16 = _enabled(ds, "bf16", "bfloat16"), _enabled(ds, "fp16")
+    if precision == "fp16":  # name the JSON field that disagrees: that is what the user has to change
+        if bf16:
+            key = "bf16" if _enabled(ds, "bf16") else "bfloat16"
+            raise ConfigError(f"{FIELD}.{key}.enabled", "is true but run.precision is fp16",
+                              f"set \"{key}\": {{\"enabled\": false}} and \"fp16\": {{\"enabled\": true}}, or "
+                              f"run.precision: bf16")
+        if not fp16:
+            state = "missing" if "fp16" not in ds else "false"
+            raise ConfigError(f"{FIELD}.fp16.enabled", f"is {state} but run.precision is fp16 (DeepSpeed's loss "
+                              f"scaler must own fp16 training)", "add \"fp16\": {\"enabled\": true} to the DeepSpeed "
+                              "JSON, or use run.precision: bf16")
+        zero = ds.get("zero_optimization")
+        stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+        if not stage:  # measured with 0.19.8 (docs/gpu.md): its FP16 optimizers are not ZeRO optimizers
+            raise ConfigError(f"{FIELD}.zero_optimization.stage", f"is {stage} with fp16, where DeepSpeed never "
+                              "multiplies the loss by its loss scale but divides the gradient by it (every update "
+                              "1/loss-scale too small)", "use ZeRO stage 1, 2 or 3 with fp16, or run.precision: bf16")
+        return
+    if bf16 and precision != "bf16":
+        raise ConfigError("run.precision", f"is {precision} but the DeepSpeed JSON enables bf16 weights",
+                          "set run.precision: bf16 (the forward then runs under bf16 autocast)")
+    if fp16:
+        raise ConfigError("run.precision", f"is {precision} but the DeepSpeed JSON enables fp16",
+                          "set run.precision: fp16")
+
+
+def _check_clipping(cfg, ds: dict) -> None:
+    """One clipping threshold: the JSON's gradient_clipping or optimizer.max_grad_norm."""
     clip = ds.get("gradient_clipping")
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
         raise ConfigError(f"{FIELD}.gradient_clipping", f"expected a number >= 0, got {clip!r}", "e.g. 1.0, or 0")
@@ -195,6 +256,10 @@ def validate(cfg, world_size: int | None) -> None:
     if clip and max_norm is not None and float(clip) != max_norm:
         raise ConfigError(f"{FIELD}.gradient_clipping", f"{clip} differs from optimizer.max_grad_norm {max_norm}",
                           "clip in one place: remove one of them")
+
+
+def _check_accumulation_and_zero(ds: dict) -> None:
+    """What the back end cannot drive: unmanaged accumulation, unknown ZeRO stages, optimizer offload."""
     if ds.get("managed_gradient_accumulation") is False:
         raise ConfigError(f"{FIELD}.managed_gradient_accumulation", "false is not supported",
                           "remove it: accum-sched sets DeepSpeed's accumulation boundary itself")
@@ -208,35 +273,31 @@ def validate(cfg, world_size: int | None) -> None:
     if isinstance(offload, dict) and offload.get("device", "none") not in (None, "none"):
         raise ConfigError(f"{FIELD}.zero_optimization.offload_optimizer", "is not supported yet",
                           "remove it (the accumulation engine scales gradients in the ZeRO partitions)")
-    if not _trivial_lr_scheduler(cfg):
-        if "scheduler" in ds:
-            raise ConfigError("lr_scheduler", f"{cfg.lr_scheduler.name} is given and the DeepSpeed JSON has a "
-                              "\"scheduler\" too", "keep one: set lr_scheduler: null, or remove the JSON's scheduler")
-        if "optimizer" in ds:
-            raise ConfigError("lr_scheduler", f"{cfg.lr_scheduler.name} would drive accum-sched's optimizer, but the "
-                              "DeepSpeed JSON brings its own \"optimizer\"",
-                              "add a \"scheduler\" to the DeepSpeed JSON and set lr_scheduler: null")
 
 
-def _check_precision(ds: dict, precision: str) -> None:
-    bf16, fp16 = _enabled(ds, "bf16", "bfloat16"), _enabled(ds, "fp16")
-    if bf16 and precision != "bf16":
-        raise ConfigError("run.precision", f"is {precision} but the DeepSpeed JSON enables bf16 weights",
-                          "set run.precision: bf16 (the forward then runs under bf16 autocast)")
-    if fp16 and precision != "fp16":
-        raise ConfigError("run.precision", f"is {precision} but the DeepSpeed JSON enables fp16",
-                          "set run.precision: fp16")
-    if precision == "fp16" and not fp16:
-        raise ConfigError("run.precision", "fp16 with DeepSpeed needs DeepSpeed's loss scaler",
-                          "add \"fp16\": {\"enabled\": true} to the DeepSpeed JSON, or use bf16")
+def _trivial_lr_scheduler(cfg) -> bool:
+    section = cfg.lr_scheduler
+    return section is None or (section.name == "constant" and section.warmup_steps == 0)
+
+
+def _check_optimizer_owner(cfg, ds: dict) -> None:
+    """A YAML LR scheduler cannot drive an optimizer or scheduler the JSON brings."""
+    if _trivial_lr_scheduler(cfg):
+        return
+    if "scheduler" in ds:
+        raise ConfigError("lr_scheduler", f"{cfg.lr_scheduler.name} is given and the DeepSpeed JSON has a "
+                          "\"scheduler\" too", "keep one: set lr_scheduler: null, or remove the JSON's scheduler")
+    if "optimizer" in ds:
+        raise ConfigError("lr_scheduler", f"{cfg.lr_scheduler.name} would drive accum-sched's optimizer, but the "
+                          "DeepSpeed JSON brings its own \"optimizer\"",
+                          "add a \"scheduler\" to the DeepSpeed JSON and set lr_scheduler: null")
 
 
 # -- on the worker ----------------------------------------------------------------------------------------------
 def deepspeed_config(cfg, world_size: int, client_optimizer: bool) -> dict:
     """The dict handed to DeepSpeed: the user's JSON without our key, batch sizes at the first factor, clipping as
     configured (DeepSpeed's silent default of 1.0 turned off)."""
-    ds = load_json(cfg)
-    _ours(ds)
+    ds = copy.deepcopy(parse(cfg).config)
     schedule = cfg.schedule_for(world_size)
     factor, micro = schedule.factor_at(0), cfg.data.micro_batch_size  # the back end follows every later change
     ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=factor,
@@ -266,6 +327,18 @@ def _prepare_environment(world_size: int) -> None:
         os.environ.setdefault("MASTER_PORT", "29511")
 
 
+def _device_args() -> dict:
+    """DeepSpeed takes cuda:LOCAL_RANK unless told otherwise; under srun's per-task GPU binding the worker's device
+    (launcher/env.py: cuda_index, already set by the worker) is cuda:0 on every rank."""
+    import argparse
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"args": argparse.Namespace(device_rank=torch.cuda.current_device())}
+
+
 def initialize(cfg, model, optimizer, lr_scheduler, world_size: int):
     """Build the DeepSpeed engine on this worker: ``(ds_engine, optimizer, lr_scheduler)`` as DeepSpeed holds them.
 
@@ -286,7 +359,7 @@ def initialize(cfg, model, optimizer, lr_scheduler, world_size: int):
     # tests/test_deepspeed.py); our progress line is the UI. Its later warnings still show.
     ds_logger.setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
-    ds = load_json(cfg)
+    ds = parse(cfg).config
     own_optimizer, own_scheduler = "optimizer" in ds, "scheduler" in ds
     config = deepspeed_config(cfg, world_size, client_optimizer=not own_optimizer)
     kwargs = {"model_parameters": [p for p in model.parameters() if p.requires_grad]} if own_optimizer else {
@@ -296,7 +369,8 @@ def initialize(cfg, model, optimizer, lr_scheduler, world_size: int):
     quiet = dist.is_initialized() and dist.get_rank() != 0
     # other ranks stay quiet: DeepSpeed prints a line per rank when it loads its shared-memory op
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-        ds_engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(model=model, config=config, **kwargs)
+        ds_engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(model=model, config=config, **kwargs,
+                                                                        **_device_args())
     ds_logger.setLevel(logging.WARNING)
     return ds_engine, ds_optimizer, ds_scheduler
 

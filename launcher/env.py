@@ -258,3 +258,70 @@ def as_torch_env(env: LaunchEnv) -> dict[str, str]:
     return {"RANK": str(env.rank), "LOCAL_RANK": str(env.local_rank), "WORLD_SIZE": str(env.world_size),
             "LOCAL_WORLD_SIZE": str(env.local_world_size), "MASTER_ADDR": env.master_addr,
             "MASTER_PORT": str(env.master_port)}
+
+
+# -- which device a worker trains on -----------------------------------------------------------------------------
+# Variables that mean srun bound GPUs to each task (--gpus-per-task, --gpu-bind): a task then sees its own GPUs
+# only, numbered from 0, whatever its local rank.
+SLURM_GPU_BINDING = ("SLURM_GPUS_PER_TASK", "SLURM_GPU_BIND")
+
+
+def _visible(environ: Mapping[str, str], cuda_count: int) -> str:
+    cvd = environ.get("CUDA_VISIBLE_DEVICES")
+    return f"{cuda_count} GPU(s) visible" + (f" (CUDA_VISIBLE_DEVICES={cvd})" if cvd is not None else "")
+
+
+def check_devices(process_group: str, nproc_per_node: int, cuda_count: int,
+                  environ: Mapping[str, str] = os.environ) -> str | None:
+    """Before launch on the node that starts the workers (`accum-sched run`): ConfigError for a setting that cannot
+    work with the `cuda_count` GPUs this process sees (torch.cuda.device_count(), which honours
+    CUDA_VISIBLE_DEVICES); returns a warning to print, or None."""
+    if process_group == "nccl" and cuda_count == 0:
+        raise ConfigError("distributed.process_group", "is 'nccl' but CUDA is not available here (no GPU visible, "
+                                                       "or a CPU-only torch)",
+                          "use process_group: auto (NCCL with GPUs, gloo without) or gloo, or run on a GPU node")
+    if process_group != "gloo" and cuda_count and nproc_per_node > cuda_count:
+        raise ConfigError("distributed.nproc_per_node", f"{nproc_per_node} workers per node but only "
+                                                        f"{_visible(environ, cuda_count)}",
+                          f"one worker per GPU: set --nproc-per-node {cuda_count} (or fewer), or make more GPUs "
+                          f"visible")
+    if process_group == "gloo" and cuda_count:
+        return (f"warning: distributed.process_group: 'gloo' on a machine with {_visible(environ, cuda_count)}: "
+                f"the workers train on CPU; use auto or nccl to train on the GPUs")
+    return None
+
+
+def cuda_index(local_rank: int, local_world_size: int, cuda_count: int, source: str,
+               environ: Mapping[str, str] = os.environ) -> int:
+    """The CUDA device (as this process numbers them) for the worker with `local_rank` of `local_world_size` on
+    its node, seeing `cuda_count` devices; `source` is LaunchEnv.source. A pure function of its arguments.
+
+    - An srun task bound to its own GPUs (SLURM_GPUS_PER_TASK or SLURM_GPU_BIND set, or one GPU visible to each of
+      several tasks, as --gpus-per-task=1 leaves it) uses its first visible device: cuda:0.
+    - Otherwise every worker of the node sees every GPU of the node and takes cuda:<local rank>.
+    Under torchrun SLURM's variables describe the agent, so binding is read only for srun tasks (source "slurm").
+    """
+    if cuda_count < 1:
+        raise ConfigError("distributed.process_group", "CUDA was chosen but no GPU is visible",
+                          "use process_group: gloo or auto on a machine without GPUs")
+    if source == "slurm" and local_world_size > 1:
+        bound = any(environ.get(name) for name in SLURM_GPU_BINDING)
+        if bound or cuda_count == 1:
+            return 0
+    if local_rank < cuda_count:
+        return local_rank
+    raise ConfigError("distributed.nproc_per_node", f"local rank {local_rank} of {local_world_size} workers on this "
+                                                    f"node but only {_visible(environ, cuda_count)}",
+                      "start one worker per visible GPU, or bind one GPU to each task (srun --gpus-per-task=1)")
+
+
+def choose_device(process_group: str, cuda_count: int, launch: LaunchEnv,
+                  environ: Mapping[str, str] = os.environ) -> tuple[str, int | None]:
+    """("cuda", index) or ("cpu", None) for this worker: gloo trains on CPU, auto uses CUDA when there is a GPU,
+    nccl requires one (ConfigError without)."""
+    if process_group == "gloo":
+        return "cpu", None
+    if cuda_count == 0:
+        check_devices(process_group, 1, 0, environ)  # nccl without CUDA: the same error as before launch
+        return "cpu", None
+    return "cuda", cuda_index(launch.local_rank, launch.local_world_size, cuda_count, launch.source, environ)

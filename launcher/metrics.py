@@ -83,6 +83,8 @@ class MetricsWriter:
         if self._tb is not None:
             for key in ("loss", "lr", "grad_norm", "factor"):
                 self._tb.add_scalar(f"train/{key}", record[key], info.step)
+            if record.get("noise_scale") is not None:  # accumulation.noise_scale
+                self._tb.add_scalar("train/noise_scale", record["noise_scale"], info.step)
 
     def close(self) -> None:
         self._file.close()

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler
 
-from accum_sched import AccumulationEngine
-from launcher import tasks
+from accum_sched import AccumulationEngine, AccumulationSchedule
+from launcher import coordination, tasks
 from launcher.checkpoint import Checkpointer
 from launcher.config import Config, load_config
 from launcher.errors import ConfigError
@@ -63,9 +63,13 @@ def detect_launch():
 
 def init_distributed(cfg: Config, launch) -> torch.device:
     """Join the process group (NCCL with CUDA, gloo otherwise, unless configured) and pin this rank's device."""
+    from launcher.env import choose_device
+
     wanted = cfg.distributed.process_group
-    use_cuda = torch.cuda.is_available() and wanted != "gloo"
-    device = torch.device("cuda", launch.local_rank) if use_cuda else torch.device("cpu")
+    # which GPU, if any: per-task SLURM binding and CUDA_VISIBLE_DEVICES decide, not the local rank alone
+    kind, index = choose_device(wanted, torch.cuda.device_count() if torch.cuda.is_available() else 0, launch)
+    use_cuda = kind == "cuda"
+    device = torch.device("cuda", index) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     if launch.world_size > 1 or launch.source != "single":
@@ -84,7 +88,15 @@ def init_distributed(cfg: Config, launch) -> torch.device:
             where = {"store": dist.PrefixStore(f"accum-sched/attempt_{attempt}", store)}
         dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
                                 device_id=device if use_cuda else None, **where)
+        coordination.start(cfg.checkpoint.timeout_s)  # checkpoints wait on gloo, never under NCCL's watchdog
     return device
+
+
+def adaptive_settings(cfg: Config) -> dict | None:
+    """``accumulation.adaptive`` with its defaults, or None (checked already by config validation)."""
+    from launcher.noise_config import adaptive_settings as settings
+
+    return None if cfg.accumulation.adaptive is None else settings(cfg.accumulation.adaptive)
 
 
 def plan_total_steps(schedule, loader, sampler, task, cfg: Config, world: int) -> int:
@@ -139,7 +151,10 @@ class Trainer:
         # finds the checkpoint to resume (rank 0 reads, all agree); its world size may rescale the schedule
         self.checkpointer = Checkpointer(cfg, self.rank, self.world, resume, device)
         self.schedule = self.checkpointer.schedule(cfg.schedule_for(self.world))
-        self.total_steps = plan_total_steps(self.schedule, self.loader, self.sampler, self.task, cfg, self.world)
+        self.adaptive = adaptive_settings(cfg)
+        # adaptive: the factor is decided during the run, so the total is an upper bound (every window at min_factor)
+        planned = self.schedule if self.adaptive is None else AccumulationSchedule(self.adaptive["min_factor"])
+        self.total_steps = plan_total_steps(planned, self.loader, self.sampler, self.task, cfg, self.world)
         self.model = self.task.model.to(device)
         self.fsdp = cfg.distributed.backend == "fsdp"
         if self.fsdp:  # before the optimizer: fully_shard swaps the parameters for sharded ones
@@ -168,11 +183,11 @@ class Trainer:
         self.wrapped = wrapped
         acc = cfg.accumulation
         self.engine = AccumulationEngine(
-            wrapped, None if self.ds_engine is not None else self.optimizer, self.schedule,
+            wrapped, None if self.ds_engine is not None else self.optimizer, 1 if self.adaptive else self.schedule,
             lr_scheduler=None if self.ds_engine is not None else self.lr_scheduler,
             max_grad_norm=cfg.optimizer.max_grad_norm, normalize=acc.normalize, uneven=acc.uneven,
             nonfinite=acc.nonfinite, precision=cfg.run.precision, micro_batch_size=cfg.data.micro_batch_size,
-            lr_coupling=acc.lr_coupling,
+            lr_coupling=acc.lr_coupling, noise_scale=acc.noise_scale, adaptive=self.adaptive,
             gradient_sync=cfg.distributed.fsdp["gradient_sync"] if self.fsdp else "boundary")
         self.metrics = None
         self.progress = None
@@ -195,7 +210,10 @@ class Trainer:
             self.progress = Progress(cfg.logging.progress, cfg.run.epochs, self.total_steps, cfg.logging.log_every)
             print(f"accum-sched: world {self.world}, {len(self.loader)} micro-batches of "
                   f"{cfg.data.micro_batch_size} per rank per epoch, {cfg.run.epochs} epochs, "
-                  f"{self.total_steps} optimizer steps, schedule {self.schedule.to_dict()}", flush=True)
+                  f"{self.total_steps} optimizer steps, " + (
+                      f"schedule {self.schedule.to_dict()}" if self.adaptive is None else
+                      f"adaptive factor {self.adaptive['min_factor']}..{self.adaptive['max_factor']} (at most "
+                      f"that many steps)"), flush=True)
         self.engine.on_step(self._on_step)
         self.engine.on_step(self.checkpointer.on_step)  # after the metrics line of the same step
         for epoch in range(self.engine.epoch_index, cfg.run.epochs):
@@ -277,6 +295,11 @@ def main(argv=None) -> int:
     preemption = Preemption.install()
     cfg = load_config(args.config)
     launch = detect_launch()
+    if launch.source != "single":
+        # srun's tasks (the per_task template) carry only SLURM_* variables; DeepSpeed and torch read these.
+        from launcher.env import as_torch_env
+
+        os.environ.update(as_torch_env(launch))
     if launch.rank != 0:  # other ranks stay quiet unless something fails
         warnings.filterwarnings("ignore")
         logging.getLogger("accum_sched").setLevel(logging.ERROR)

@@ -1,17 +1,26 @@
-"""A real single-node SLURM cluster for tests: munged + slurmctld + slurmd as root, all state in one directory.
+"""A real SLURM cluster of two nodes on one machine for tests: munged, slurmctld and two slurmd as root, all state
+in one directory.
+
+Each slurmd runs in its own network namespace with its own host name and address (tests/netns_nodes.py: a private
+bridge, veth pairs, a hosts file bound over /etc/hosts inside), so a two-node job really spans two "machines":
+the head node found by `scontrol show hostnames`, a c10d rendezvous and gloo traffic across addresses, srun
+steps on both nodes. munged and slurmctld run on the host; the namespaces reach munged through its socket file and
+slurmctld through the bridge address. Nothing listens beyond 127.0.0.1, the bridge and the namespaces.
 
 Tests set it up themselves (CI runs as root on a fresh machine): `ensure_slurm()` apt-get installs Debian's
-`slurm-wlm` and `munge` when the binaries are missing, `SlurmCluster` writes a slurm.conf and a munge key under its
-directory, starts the three daemons in the foreground (so their pids are ours to stop), waits until the node is
-idle, and on exit cancels what is left and stops exactly the daemons it started. Clients (sbatch, srun, scontrol)
-find the cluster through `cluster.env` (SLURM_CONF). Nothing listens beyond 127.0.0.1.
+`slurm-wlm`, `munge` and `iproute2` when a binary is missing, `SlurmCluster` writes a slurm.conf and a munge key
+under its directory, starts the daemons in the foreground (so their pids are ours to stop), waits until both nodes
+are idle, and on exit cancels what is left, stops exactly the daemons it started and removes the namespaces and
+the bridge.
+Clients (sbatch, srun, scontrol) find the cluster through `cluster.env` (SLURM_CONF). A one-node job lands on
+either node; `--nodes=2` uses both.
 
 Use it as the `slurm` pytest fixture (`from slurm_cluster import slurm  # noqa: F401`), or from a shell to poke
 at it by hand: `python tests/slurm_cluster.py` starts one, prints the SLURM_CONF to export, and runs until
 Ctrl-C or SIGTERM.
 
-Skips, with the reason, only when SLURM cannot be had here (not root, no apt-get, install or daemon start failed);
-set ACCUM_SCHED_REQUIRE_SLURM=1 (CI does) to turn those skips into failures.
+Skips, with the reason, only when SLURM cannot be had here (not root, no apt-get, install, namespaces or daemon
+start failed); set ACCUM_SCHED_REQUIRE_SLURM=1 (CI does) to turn those skips into failures.
 """
 from __future__ import annotations
 
@@ -25,8 +34,12 @@ import tempfile
 import time
 from pathlib import Path
 
-PACKAGES = ("slurm-wlm", "munge")
-BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel")
+from netns_nodes import NetnsNodes, NetnsUnavailable
+
+# iproute2: `ip` builds the nodes' namespaces (a slim container may lack it; util-linux's nsenter/unshare are
+# essential packages).
+PACKAGES = ("slurm-wlm", "munge", "iproute2")
+BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel", "ip")
 # Debian puts the daemons in /usr/sbin, which a non-login PATH may lack.
 SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 # A requeued job may start again only after the job credential's lifetime (AuthInfo cred_expire, default 120 s);
@@ -53,7 +66,8 @@ def _apt_get(*args: str, timeout: float) -> subprocess.CompletedProcess:
 
 
 def ensure_slurm() -> None:
-    """Install slurm-wlm and munge with apt-get when any binary is missing; raise SlurmUnavailable if that fails."""
+    """Install slurm-wlm, munge and iproute2 with apt-get when any binary is missing; raise SlurmUnavailable if
+    that fails."""
     missing = [b for b in BINARIES if _which(b) is None]
     if not missing:
         return
@@ -80,12 +94,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+NODES = ("accnode1", "accnode2")
+
+
 class SlurmCluster:
-    """One controller and one compute node on this host. `start()`/`stop()`, or use it as a context manager."""
+    """One controller on this host and two compute nodes in network namespaces. `start()`/`stop()`, or use it as
+    a context manager. `nodes` are the node (and host) names, `addr[node]` their addresses."""
 
     def __init__(self, root: str | Path, cpus: int | None = None):
         self.root = Path(root)
         self.host = socket.gethostname().split(".")[0]
+        self.nodes = NODES
+        self.net = NetnsNodes(self.root, list(NODES))
+        self.addr: dict[str, str] = {}
+        # Every node claims the host's cores: a two-node job then fits even on a 2-core machine.
         self.cpus = cpus or os.cpu_count() or 1
         self.conf = self.root / "slurm.conf"
         self.munge_socket = self.root / "munge-run" / "munge.socket"
@@ -109,11 +131,11 @@ class SlurmCluster:
         fd = os.open(self.munge_key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o400)
         with os.fdopen(fd, "wb") as f:
             f.write(os.urandom(1024))
-        ctld_port, slurmd_port = _free_port(), _free_port()
+        ctld_port, slurmd_port = _free_port(), _free_port()  # slurmd: the same port in each namespace
         r = self.root
         lines = [
             "ClusterName=accumtest",
-            f"SlurmctldHost={self.host}(127.0.0.1)",
+            f"SlurmctldHost={self.host}({self.net.bridge_addr})",
             f"SlurmctldPort={ctld_port}",
             f"SlurmdPort={slurmd_port}",
             "SlurmUser=root",
@@ -141,16 +163,19 @@ class SlurmCluster:
             "SlurmdTimeout=60",
             "InactiveLimit=0",
             f"StateSaveLocation={r / 'state'}",
-            f"SlurmdSpoolDir={r / 'spool'}",
+            f"SlurmdSpoolDir={r / 'spool' / '%n'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}",
-            f"SlurmdPidFile={r / 'slurmd.pid'}",
+            # %n: the node's name, so the two slurmd sharing this file system keep apart
+            f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
             f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
+            f"SlurmdLogFile={r / 'log' / 'slurmd-%n.log'}",
             "SlurmctldDebug=info",
             "SlurmdDebug=info",
-            f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN",
+            *(f"NodeName={node} NodeAddr={self.addr[node]} CPUs={self.cpus} State=UNKNOWN" for node in self.nodes),
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
         ]
+        for node in self.nodes:
+            (r / "spool" / node).mkdir(exist_ok=True)
         self.conf.write_text("\n".join(lines) + "\n")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
@@ -174,6 +199,12 @@ class SlurmCluster:
 
     def start(self, timeout: float = 60) -> SlurmCluster:
         ensure_slurm()
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.net.start()
+        except NetnsUnavailable as why:
+            raise SlurmUnavailable(f"cannot build the two nodes' network namespaces: {why}") from None
+        self.addr = dict(self.net.addr)
         self._write_files()
         self._spawn("munged", [_which("munged"), "--foreground", "--force",
                                f"--socket={self.munge_socket}", f"--key-file={self.munge_key}",
@@ -182,8 +213,10 @@ class SlurmCluster:
                                f"--seed-file={self.root / 'munge-etc' / 'munged.seed'}"])
         self._wait(lambda: self.munge_socket.exists(), timeout, "munged socket")
         self._spawn("slurmctld", [_which("slurmctld"), "-D", "-f", str(self.conf)])
-        self._spawn("slurmd", [_which("slurmd"), "-D", "-f", str(self.conf), "-N", self.host])
-        self._wait(lambda: self.node_state() in ("IDLE",), timeout, "node idle")
+        for node in self.nodes:
+            self._spawn(f"slurmd-{node}", self.net.wrap(node, [_which("slurmd"), "-D", "-f", str(self.conf),
+                                                                "-N", node]))
+        self._wait(lambda: all(self.node_state(n) == "IDLE" for n in self.nodes), timeout, "both nodes idle")
         return self
 
     def _wait(self, ready, timeout: float, what: str) -> None:
@@ -193,8 +226,9 @@ class SlurmCluster:
             if ready():
                 return
             time.sleep(0.2)
+        slurmd = "; ".join(f"{n}: {self._log_tail(f'slurmd-{n}')}" for n in self.nodes)
         raise SlurmUnavailable(f"timed out after {timeout:.0f} s waiting for {what}; "
-                               f"slurmctld: {self._log_tail('slurmctld')}; slurmd: {self._log_tail('slurmd')}")
+                               f"slurmctld: {self._log_tail('slurmctld')}; slurmd {slurmd}")
 
     # -- client helpers ------------------------------------------------------------------------------------------
     def run(self, *argv: str, check: bool = True, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
@@ -202,8 +236,13 @@ class SlurmCluster:
         return subprocess.run(list(argv), env=kw.pop("env", self.env), capture_output=True, text=True,
                               check=check, timeout=timeout, **kw)
 
-    def node_state(self) -> str:
-        out = self.run("sinfo", "-h", "-n", self.host, "-o", "%T", check=False, timeout=10)
+    def on_node(self, node: str, *argv: str, check: bool = True, timeout: float = 30,
+                **kw) -> subprocess.CompletedProcess:
+        """Run a command as node `node` (its network namespace, host name and hosts file)."""
+        return self.run(*self.net.wrap(node, list(argv)), check=check, timeout=timeout, **kw)
+
+    def node_state(self, node: str) -> str:
+        out = self.run("sinfo", "-h", "-n", node, "-o", "%T", check=False, timeout=10)
         return out.stdout.strip().upper().rstrip("*~#$@+^-!%") if out.returncode == 0 else ""
 
     def job(self, job_id: str) -> dict[str, str]:
@@ -228,7 +267,7 @@ class SlurmCluster:
                 return info
             time.sleep(poll)
         raise TimeoutError(f"job {job_id} not in {states} after {timeout:.0f} s: {info.get('JobState')} "
-                           f"({info.get('Reason')}); slurmd: {self._log_tail('slurmd', 10)}")
+                           f"({info.get('Reason')}); slurmctld: {self._log_tail('slurmctld', 10)}")
 
     # -- teardown ------------------------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -241,7 +280,7 @@ class SlurmCluster:
                 if q.returncode != 0 or not q.stdout.strip():
                     break
                 time.sleep(0.5)
-        for name, proc in reversed(self._procs):  # slurmd, slurmctld, munged: each only the one we started
+        for name, proc in reversed(self._procs):  # slurmds, slurmctld, munged: each only the one we started
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:
@@ -250,6 +289,7 @@ class SlurmCluster:
                     proc.kill()
                     proc.wait(timeout=5)
         self._procs.clear()
+        self.net.stop()  # after the slurmds: nothing of ours is left inside the namespaces
 
     def __enter__(self) -> SlurmCluster:
         try:
@@ -310,8 +350,8 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     with slurm_cluster() as c:
-        print(f"export SLURM_CONF={c.conf}   # node {c.host} is {c.node_state()}; Ctrl-C or SIGTERM stops it",
-              flush=True)
+        states = ", ".join(f"{n} ({c.addr[n]}) {c.node_state(n)}" for n in c.nodes)
+        print(f"export SLURM_CONF={c.conf}   # nodes {states}; Ctrl-C or SIGTERM stops it", flush=True)
         try:
             while True:
                 signal.pause()

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from launcher.env import (LaunchEnv, LaunchEnvError, as_torch_env, detect, expand_nodelist, expand_tasks_per_node,
-                          slurm_port)
+from launcher.env import (LaunchEnv, LaunchEnvError, as_torch_env, check_devices, choose_device, cuda_index, detect,
+                          expand_nodelist, expand_tasks_per_node, slurm_port)
+from launcher.errors import ConfigError
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "abc", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
             "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node07", "MASTER_PORT": "29400"}
@@ -110,3 +111,61 @@ def test_as_torch_env_round_trips():
 def test_env_never_imports_torch():
     code = "import sys, launcher.env; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# -- device mapping: (local rank, workers on the node, GPUs this process sees, launcher, environment) -> cuda index
+BOUND = {"SLURM_GPUS_PER_TASK": "1", "CUDA_VISIBLE_DEVICES": "0"}
+
+
+@pytest.mark.parametrize("local_rank, local_world, visible, source, environ, index", [
+    (3, 8, 8, "torchelastic", {}, 3),  # torchrun: every worker sees the node's 8 GPUs
+    (3, 8, 8, "slurm", {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, 3),  # srun, --gpus-per-node: no binding
+    (3, 8, 1, "slurm", BOUND, 0),  # srun --gpus-per-task=1: each task sees its own GPU as cuda:0
+    (3, 8, 1, "slurm", {"CUDA_VISIBLE_DEVICES": "3"}, 0),  # --gpu-bind=single:1 / cgroups: one GPU each
+    (1, 4, 2, "slurm", {"SLURM_GPUS_PER_TASK": "2"}, 0),  # two GPUs per task: the first of its own
+    (1, 2, 4, "slurm", {"SLURM_GPU_BIND": "map_gpu:0,1"}, 0),  # bound, even though it sees enough GPUs
+    (3, 8, 8, "torchelastic", {"SLURM_GPUS_PER_TASK": "8"}, 3),  # torchrun in an srun task: SLURM's is the agent
+    (0, 1, 1, "single", {}, 0),
+    (1, 2, 2, "env", {"CUDA_VISIBLE_DEVICES": "2,3"}, 1),  # numbering follows what the process sees
+])
+def test_cuda_index_table(local_rank, local_world, visible, source, environ, index):
+    assert cuda_index(local_rank, local_world, visible, source, environ) == index
+
+
+@pytest.mark.parametrize("local_rank, local_world, visible, source, environ, fragment", [
+    (2, 4, 2, "torchelastic", {"CUDA_VISIBLE_DEVICES": "0,1"}, "local rank 2 of 4 workers on this node but only "
+                                                                "2 GPU(s) visible (CUDA_VISIBLE_DEVICES=0,1)"),
+    (3, 4, 2, "slurm", {}, "local rank 3 of 4 workers"),  # two GPUs shared by four unbound tasks
+    (0, 1, 0, "single", {}, "no GPU is visible"),
+])
+def test_cuda_index_refuses_with_the_field(local_rank, local_world, visible, source, environ, fragment):
+    with pytest.raises(ConfigError) as err:
+        cuda_index(local_rank, local_world, visible, source, environ)
+    assert err.value.field in ("distributed.nproc_per_node", "distributed.process_group")
+    assert fragment in err.value.problem, err.value.line()
+
+
+def test_choose_device_by_process_group():
+    one = LaunchEnv(1, 1, 2, 2, "h", 1, "torchelastic")
+    assert choose_device("gloo", 2, one, {}) == ("cpu", None)  # gloo trains on CPU, GPUs or not
+    assert choose_device("auto", 0, one, {}) == ("cpu", None)
+    assert choose_device("auto", 2, one, {}) == ("cuda", 1)
+    assert choose_device("nccl", 2, one, {}) == ("cuda", 1)
+    with pytest.raises(ConfigError, match=r"^distributed.process_group: is 'nccl' but CUDA is not available"):
+        choose_device("nccl", 0, one, {})
+
+
+@pytest.mark.parametrize("group, nproc, visible, outcome", [
+    ("auto", 2, 0, None), ("gloo", 4, 0, None), ("auto", 8, 8, None), ("nccl", 4, 8, None),
+    ("nccl", 1, 0, "error: distributed.process_group: is 'nccl' but CUDA is not available"),
+    ("auto", 8, 4, "error: distributed.nproc_per_node: 8 workers per node but only 4 GPU(s) visible"),
+    ("nccl", 3, 2, "error: distributed.nproc_per_node: 3 workers per node but only 2 GPU(s) visible"),
+    ("gloo", 8, 4, "warning: distributed.process_group: 'gloo' on a machine with 4 GPU(s) visible: the workers "
+                   "train on CPU"),
+])
+def test_check_devices_before_launch(group, nproc, visible, outcome):
+    try:
+        said = check_devices(group, nproc, visible, {})
+    except ConfigError as err:
+        said = f"error: {err.line()}"
+    assert (said is None) if outcome is None else said.startswith(outcome), said

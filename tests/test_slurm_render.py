@@ -22,7 +22,7 @@ CASES = {
     "torchrun_cpu": dataclasses.replace(BASE, nproc_per_node=2),
     "torchrun_gpu": dataclasses.replace(BASE, nodes=4, nproc_per_node=8, gpus_per_node=8, cpus_per_worker=6,
                                         partition="gpu", time="2-00:00:00", account="proj42", signal="USR1@300",
-                                        max_restarts=2, setup=("module load cuda/12.4",)),
+                                        max_restarts=2, setup=("module load cuda/12.4",), resume="auto"),
     "per_task_gpu": dataclasses.replace(BASE, template="per_task", nodes=2, nproc_per_node=4, gpus_per_node=4,
                                         cpus_per_worker=8, time="04:00:00", extra_sbatch=("--qos=high",
                                         "--constraint=a100"), setup=("source /home/ada/venv/bin/activate",)),
@@ -71,6 +71,26 @@ def test_bad_jobs_name_their_field(change, field, fragment):
     assert err.value.field == field and fragment in err.value.problem, err.value.line()
 
 
+@pytest.mark.parametrize("template", ["torchrun", "per_task"])
+def test_resume_only_when_requeued_or_asked(template):
+    """The rendered script's own bash decides: SLURM_RESTART_COUNT > 0 resumes the newest checkpoint, a first run
+    resumes only with the --resume it was submitted with (a path is kept: the worker prefers newer ones on a
+    requeue, launcher/checkpoint.py)."""
+    def worker_args(resume, restarts):
+        script = render_job(dataclasses.replace(BASE, template=template, resume=resume))
+        lines = script.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("resume="))
+        probe = "\n".join(lines[start:start + 2] + ['printf "%s|" ${resume:+--resume "$resume"}'])
+        env = {"PATH": os.environ["PATH"]} | ({} if restarts is None else {"SLURM_RESTART_COUNT": str(restarts)})
+        return subprocess.run(["bash", "-c", probe], env=env, capture_output=True, text=True).stdout
+
+    assert worker_args(None, None) == "|" and worker_args(None, 0) == "|"  # printf of nothing prints one "|"
+    assert worker_args(None, 1) == "--resume|auto|"
+    assert worker_args("auto", None) == "--resume|auto|" and worker_args("auto", 2) == "--resume|auto|"
+    assert worker_args("/ck pts/step-00000010", 0) == "--resume|/ck pts/step-00000010|"  # one argument
+    assert worker_args("/ck pts/step-00000010", 1) == "--resume|/ck pts/step-00000010|"
+
+
 def test_custom_template_and_unknown_field(tmp_path):
     own = tmp_path / "own.sbatch"
     own.write_text("#!/bin/bash\n{{sbatch_header}}\n{{setup}}\n"
@@ -98,7 +118,8 @@ def test_dry_run_prints_writes_nothing_and_never_imports_torch(tmp_path):
     assert f"#SBATCH --output={tmp_path}/runs/demo/slurm-%j.out" in script
     assert "#SBATCH --time=1:30:00" in script  # given on the command line, kept as written
     assert "#SBATCH --ntasks-per-node=2" in script and "--cpus-per-task=2" in script
-    assert f"-m launcher.worker --config {tmp_path}/runs/demo/config.yaml --resume auto" in script
+    assert f"-m launcher.worker --config {tmp_path}/runs/demo/config.yaml ${{resume:+--resume" in script
+    assert "\nresume=''\n" in script  # a fresh submission: only a requeued run resumes
     assert f"{sys.executable} -m launcher.worker" in script
     assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
     # the whole command (config load, task check, rendering) without torch

@@ -51,6 +51,7 @@ class SlurmJob:
     signal: str = "USR2@90"  # sbatch --signal: the preemption warning, sent to every task of the job's steps
     requeue: bool = True
     max_restarts: int = 0  # torchrun's restarts of a failed worker group (torchrun template)
+    resume: str | None = None  # --resume of the first run ("auto" or a checkpoint); requeued runs always resume
     extra_sbatch: tuple[str, ...] = ()  # further sbatch options, e.g. "--qos=high", "--constraint=a100"
     setup: tuple[str, ...] = field(default=())  # shell lines before the launch (module load, source a venv)
 
@@ -143,6 +144,7 @@ def fields(job: SlurmJob) -> dict[str, str]:
         "cpus_per_worker": str(job.cpus_per_worker),
         "max_restarts": str(job.max_restarts),
         "preempt_signal": name,
+        "resume": shlex.quote(job.resume or ""),
         # Leave the workers most of the warning time to reach a boundary and checkpoint; 60 s without a warning.
         "shutdown_timeout": str(max(10, secs - 15) if secs is not None else 60),
     }

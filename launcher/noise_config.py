@@ -1,0 +1,97 @@
+"""Config checks for `accumulation.noise_scale` and `accumulation.adaptive` (torch-free, called by config.validate).
+
+Everything the engine would refuse at start-up is refused here first, naming the field, so nothing is launched.
+"""
+from __future__ import annotations
+
+from launcher.errors import ConfigError
+
+# accumulation.adaptive keys: (kind, default, check) -- defaults as accum_sched.adaptive.AdaptiveFactor's
+ADAPTIVE_KEYS = {
+    "min_factor": ("int", 1, lambda v: v >= 1, "an integer >= 1"),
+    "max_factor": ("int", 16, lambda v: v >= 1, "an integer >= 1"),
+    "every_n_steps": ("int", 10, lambda v: v >= 1, "an integer >= 1"),
+    "ema": ("float", 0.95, lambda v: 0 <= v < 1, "a number in [0, 1), e.g. 0.95"),
+    "hysteresis": ("float", 0.25, lambda v: v >= 0, "a number >= 0, e.g. 0.25"),
+}
+# LR schedulers whose shape needs the run's optimizer-step total (unknown when the factor adapts)
+NEEDS_TOTAL = ("linear", "cosine", "onecycle")
+
+
+def adaptive_settings(raw: dict) -> dict:
+    """``accumulation.adaptive`` with defaults filled in and every value checked."""
+    for key in raw:
+        if key not in ADAPTIVE_KEYS:
+            raise ConfigError(f"accumulation.adaptive.{key}", "unknown key",
+                              f"known keys: {', '.join(ADAPTIVE_KEYS)}")
+    out = {}
+    for key, (kind, default, ok, what) in ADAPTIVE_KEYS.items():
+        value = raw.get(key, default)
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not numeric or (kind == "int" and not isinstance(value, int)) or not ok(value):
+            raise ConfigError(f"accumulation.adaptive.{key}", f"{value!r} is not {what}", f"write {key}: {default}")
+        out[key] = float(value) if kind == "float" else int(value)
+    if out["max_factor"] < out["min_factor"]:
+        raise ConfigError("accumulation.adaptive.max_factor", f"{out['max_factor']} is below min_factor "
+                          f"{out['min_factor']}", "give max_factor >= min_factor")
+    return out
+
+
+def check(cfg) -> None:
+    """Refuse combinations the measurement or the adaptive factor cannot honour."""
+    acc = cfg.accumulation
+    adaptive = acc.adaptive
+    measuring = acc.noise_scale or adaptive is not None
+    if adaptive is not None:
+        settings = adaptive_settings(adaptive)
+        if cfg.world_size == 1 and settings["min_factor"] < 2:
+            raise ConfigError("accumulation.adaptive.min_factor", "1 gives no noise-scale estimate in one process (it "
+                              "compares the micro-batches of a window, and a window of one has a single batch size)",
+                              "set min_factor: 2, or run on several ranks")
+        for key in ("schedule", "global_batch"):
+            if acc.get(key) is not None:
+                raise ConfigError(f"accumulation.{key}", "is given together with accumulation.adaptive",
+                                  "keep one: the adaptive factor replaces the schedule")
+        if acc.unit != "epoch":
+            raise ConfigError("accumulation.unit", f"{acc.unit!r} keys a schedule, and accumulation.adaptive has "
+                              "none", "remove accumulation.unit")
+        scheduler = cfg.lr_scheduler
+        if scheduler is not None and scheduler.name in NEEDS_TOTAL:
+            raise ConfigError("lr_scheduler.name", f"{scheduler.name} needs the run's optimizer-step total, which "
+                              "accumulation.adaptive does not know in advance",
+                              "use name: constant (warmup_steps still work) or lr_scheduler: null")
+    if acc.lr_coupling == "adascale" and not measuring:
+        raise ConfigError("accumulation.lr_coupling", "adascale needs the measured noise scale",
+                          "set accumulation.noise_scale: true (or use accumulation.adaptive)")
+    if not measuring:
+        return
+    field = "accumulation.adaptive" if adaptive is not None and not acc.noise_scale else "accumulation.noise_scale"
+    if cfg.distributed.backend == "deepspeed":
+        _check_deepspeed(cfg, field, adaptive is not None)
+    if acc.normalize != "elements":
+        raise ConfigError(field, "needs accumulation.normalize: elements (per-element mean gradients)",
+                          "set accumulation.normalize: elements")
+    if cfg.run.precision == "fp16":
+        raise ConfigError(field, "is not measured under fp16 (loss-scaled local gradients)",
+                          "use run.precision: bf16 or fp32")
+
+
+def _check_deepspeed(cfg, field: str, adaptive: bool) -> None:
+    """DeepSpeed: measured at ZeRO stage 0 in fp32 only (elsewhere the local gradient is reduced or partitioned
+    inside DeepSpeed); the adaptive factor is not offered there (the JSON's own batch keys would fight it)."""
+    if adaptive:
+        raise ConfigError("accumulation.adaptive", "is not supported with distributed.backend: deepspeed yet",
+                          "use backend: ddp, or noise_scale: true with a schedule")
+    if cfg.distributed.deepspeed_config is None:
+        return  # reported by the config's own check
+    from launcher import deepspeed_setup  # torch-free at import
+
+    ds = deepspeed_setup.load_json(cfg)
+    zero = ds.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+    precise = [k for k in ("bf16", "bfloat16", "fp16") if isinstance(ds.get(k), dict) and ds[k].get("enabled")]
+    if stage != 0 or precise:
+        raise ConfigError(field, f"is measured with DeepSpeed at ZeRO stage 0 in fp32 only (this JSON: stage {stage}"
+                          f"{', ' + ', '.join(precise) if precise else ''}): elsewhere the local gradient is reduced "
+                          f"or partitioned inside DeepSpeed", "use zero_optimization.stage 0 without bf16/fp16, or "
+                          "backend: ddp")
