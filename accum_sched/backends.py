@@ -84,7 +84,8 @@ class TorchBackend:
                     self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update()
-        if self.lr_scheduler is not None:
+        # A step the GradScaler skipped (fp16 overflow) took no optimizer step: the LR schedule waits (as HF Trainer).
+        if self.lr_scheduler is not None and not (skip and self.scaler is not None):
             with warnings.catch_warnings():  # a skipped first step makes torch warn about the call order
                 warnings.simplefilter("ignore", UserWarning)
                 self.lr_scheduler.step()

@@ -54,6 +54,7 @@ class StepInfo:
     lr: float  # learning rate used by this step
     grad_norm: float  # global norm of the normalised gradient, before clipping
     skipped: bool  # non-finite loss/gradient: the optimizer did not step
+    loss_scale: float | None = None  # fp16: the GradScaler scale this window was scaled with (None otherwise)
     noise: dict | None = None  # noise_scale=True: the gns_* fields and noise_scale (accum_sched.noise_scale.FIELDS)
     factor_reason: str | None = None  # adaptive: why this window has its factor (the decision that set it)
 
@@ -106,7 +107,9 @@ class AccumulationEngine:
         uneven: ranks whose loaders differ in length: ``"truncate"`` (default; all ranks stop at the shortest,
             with a warning) or ``"error"``.
         nonfinite: a non-finite loss or gradient: ``"skip"`` the step on every rank (default) or ``"raise"``.
-        precision: ``"fp32"``, ``"bf16"`` (autocast, CPU or GPU) or ``"fp16"`` (autocast + GradScaler, GPU only).
+        precision: ``"fp32"``, ``"bf16"`` (autocast, CPU or GPU) or ``"fp16"`` (autocast + GradScaler, CPU or GPU;
+            an overflow is the scaler's normal operation: the step is skipped and counted, never raised, and
+            neither the LR scheduler nor a step-keyed schedule advances on it).
         micro_batch_size: samples per micro-batch: reports the effective batch (``micro x factor x world``) and
             lets windows of full micro-batches skip a scaling pass over the gradient (same value on every rank).
         count_allreduce: count DDP gradient all-reduce rounds with a comm hook (default True).
@@ -157,9 +160,7 @@ class AccumulationEngine:
         self.micro_batch_size = micro_batch_size
         scaler = None
         if precision == "fp16" and not is_deepspeed_engine(model):  # DeepSpeed's fp16 brings its own loss scaler
-            if not torch.cuda.is_available():
-                raise ValueError("precision='fp16' needs a CUDA device (GradScaler); use 'bf16' on CPU")
-            scaler = torch.amp.GradScaler("cuda")
+            scaler = torch.amp.GradScaler(_module_device(model).type)  # "cpu" works too (torch >= 2.3)
         self.backend = make_backend(model, optimizer, lr_scheduler, scaler, count_allreduce, gradient_sync)
         self.world_size = self.backend.world_size
         self.callbacks: list[Callable[[StepInfo], None]] = []
@@ -170,6 +171,7 @@ class AccumulationEngine:
         self.micro_in_epoch = 0  # micro-batches of epoch_index already consumed (always at a window boundary)
         self.optimizer_steps = 0
         self.skipped_steps = 0
+        self.overflow_steps = 0  # fp16 windows the GradScaler skipped (also in skipped_steps)
         self.micro_steps = 0  # micro-batches run on this rank
         self.elements = 0  # global
         self.samples = 0  # global
@@ -217,7 +219,9 @@ class AccumulationEngine:
         self._stop_requested = True
 
     def _position(self) -> Position:
-        return Position(epoch=self.epoch_index, step=self.optimizer_steps, samples=self.samples, tokens=self.elements)
+        # fp16 overflow steps took no optimizer step, so a step-keyed schedule does not count them (as the LR scheduler)
+        return Position(epoch=self.epoch_index, step=self.optimizer_steps - self.overflow_steps, samples=self.samples,
+                        tokens=self.elements)
 
     def _factor_for(self) -> int:
         """The factor of the window starting now: the adaptive controller's, or the schedule's."""
@@ -243,7 +247,7 @@ class AccumulationEngine:
         """Context for the forward pass under the configured precision (a no-op for fp32)."""
         if self.precision == "fp32":
             return contextlib.nullcontext()
-        device = "cuda" if self.precision == "fp16" or _module_device(self.model).type == "cuda" else "cpu"
+        device = _module_device(self.model).type  # CPU autocast takes float16 too
         dtype = torch.float16 if self.precision == "fp16" else torch.bfloat16
         return torch.autocast(device_type=device, dtype=dtype)
 
@@ -397,7 +401,12 @@ class AccumulationEngine:
         nonfinite += not math.isfinite(float(norm))
         n_total_int = int(round(n_total))
         skip = nonfinite > 0 or n_total_int == 0
-        if nonfinite > 0 and self.nonfinite == "raise":
+        # fp16: the scaler found inf/NaN in the (all-reduced, hence identical) gradient, or a rank's scaled loss
+        # overflowed. That is how dynamic loss scaling works, not an error: skip, back the scale off, never raise.
+        scaler = getattr(self.backend, "scaler", None)
+        overflow = nonfinite > 0 and scaler is not None
+        loss_scale = None if scaler is None else float(scaler.get_scale())  # before update(): this window's scale
+        if nonfinite > 0 and self.nonfinite == "raise" and not overflow:
             raise FloatingPointError(f"non-finite loss or gradient at epoch {epoch}, step {self.optimizer_steps + 1} "
                                      f"(nonfinite='raise'; use nonfinite='skip' to skip such steps)")
         if self.normalize == "micro_batches":
@@ -422,6 +431,7 @@ class AccumulationEngine:
 
         self.optimizer_steps += 1
         self.skipped_steps += int(skip)
+        self.overflow_steps += int(overflow)
         self.elements += n_total_int
         self.samples += int(round(samples))
         self.should_stop = stop > 0
@@ -435,9 +445,12 @@ class AccumulationEngine:
         info = StepInfo(epoch=epoch, step=self.optimizer_steps, factor=factor, micro_batches=size,
                         elements=n_total_int, samples=int(round(samples)),
                         loss=loss_total / n_total if n_total else float("nan"), lr=lr,
-                        grad_norm=grad_norm, skipped=skip, noise=noise, factor_reason=reason)
+                        grad_norm=grad_norm, skipped=skip, loss_scale=loss_scale, noise=noise,
+                        factor_reason=reason)
         self.last_step = info
-        if skip and collective.rank() == 0:
+        if overflow:
+            log.info("step %d skipped: fp16 overflow at loss scale %g", self.optimizer_steps, loss_scale)
+        elif skip and collective.rank() == 0:
             log.warning("step %d skipped: %s", self.optimizer_steps,
                         "no elements in the window" if n_total_int == 0 else "non-finite loss or gradient")
         for callback in self.callbacks:
@@ -472,7 +485,7 @@ class AccumulationEngine:
         return {
             "epoch": self.epoch_index, "micro_batch": self.micro_in_epoch,
             "optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
-            "micro_batches": self.micro_steps, "elements": self.elements, "samples": self.samples,
+            "overflow_steps": self.overflow_steps, "micro_batches": self.micro_steps, "elements": self.elements, "samples": self.samples,
             "allreduce_rounds": self.allreduce_rounds or 0, "factor": self.factor, "world_size": self.world_size,
             "schedule": [list(m) for m in self.schedule.milestones], "unit": self.schedule.unit,
             "backend": self.backend.state_dict(), **self._noise_state(),
@@ -493,6 +506,7 @@ class AccumulationEngine:
         self.micro_in_epoch = int(state["micro_batch"])
         self.optimizer_steps = int(state["optimizer_steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.overflow_steps = int(state.get("overflow_steps", 0))
         self.micro_steps = int(state["micro_batches"])
         self.elements = int(state["elements"])
         self.samples = int(state.get("samples", 0))
@@ -508,6 +522,7 @@ class AccumulationEngine:
     def counters(self) -> dict:
         """Counters for summaries: steps, micro-batches, elements, samples, all-reduce rounds, factor, batch."""
         return {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
+                "overflow_steps": self.overflow_steps,
                 "micro_batches": self.micro_steps, "elements": self.elements, "samples": self.samples,
                 "allreduce_rounds": self.allreduce_rounds, "factor": self.factor,
                 "effective_batch": self.effective_batch}

@@ -8,17 +8,18 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset, Subset, TensorDataset
 
 
 # -- regression -------------------------------------------------------------------------------------------------
 def regression(samples: int = 2048, in_dim: int = 32, hidden: int = 64, out_dim: int = 8, noise: float = 0.05,
-               data_seed: int = 1234):
-    """y = tanh(x @ W) + noise, fitted by a two-hidden-layer MLP. Deterministic given ``data_seed``."""
+               data_seed: int = 1234, val_samples: int = 0):
+    """y = tanh(x @ W) + noise, fitted by a two-hidden-layer MLP. Deterministic given ``data_seed``.
+    ``val_samples`` > 0 adds a validation set: more samples of the same function."""
     g = torch.Generator().manual_seed(data_seed)
-    x = torch.randn(samples, in_dim, generator=g)
+    x = torch.randn(samples + val_samples, in_dim, generator=g)
     w = torch.randn(in_dim, out_dim, generator=g) / in_dim**0.5
-    y = torch.tanh(x @ w * 2.0) + noise * torch.randn(samples, out_dim, generator=g)
+    y = torch.tanh(x @ w * 2.0) + noise * torch.randn(samples + val_samples, out_dim, generator=g)
     model = nn.Sequential(nn.Linear(in_dim, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
                           nn.Linear(hidden, out_dim))
 
@@ -27,7 +28,10 @@ def regression(samples: int = 2048, in_dim: int = 32, hidden: int = 64, out_dim:
         per_sample = ((model(inputs) - targets) ** 2).mean(-1)  # one element per sample
         return per_sample.sum(), inputs.shape[0]
 
-    return {"model": model, "dataset": TensorDataset(x, y), "loss_fn": loss_fn}
+    task = {"model": model, "dataset": TensorDataset(x[:samples], y[:samples]), "loss_fn": loss_fn}
+    if val_samples:
+        task["val_dataset"] = TensorDataset(x[samples:], y[samples:])
+    return task
 
 
 # -- charlm -----------------------------------------------------------------------------------------------------
@@ -86,10 +90,17 @@ class CharTransformer(nn.Module):
 
 
 def charlm(max_len: int = 64, d_model: int = 64, n_heads: int = 4, n_layers: int = 2, dropout: float = 0.0,
-           corpus: str | None = None):
-    """Next-character prediction. loss_fn returns (sum of token losses, number of real target tokens)."""
+           corpus: str | None = None, val_fraction: float = 0.0):
+    """Next-character prediction. loss_fn returns (sum of token losses, number of real target tokens).
+    ``val_fraction`` > 0 holds that share of the samples out (a fixed random choice) as the validation set, with
+    token accuracy as a metric."""
     dataset = LineDataset(corpus or CORPUS, max_len)
     model = CharTransformer(dataset.vocab_size, d_model, n_heads, n_layers, max_len, dropout)
+    train, val = dataset, None
+    if val_fraction > 0:
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
+        cut = max(1, round(len(dataset) * val_fraction))
+        train, val = Subset(dataset, order[cut:]), Subset(dataset, order[:cut])
 
     def loss_fn(model, tokens):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -101,4 +112,13 @@ def charlm(max_len: int = 64, d_model: int = 64, n_heads: int = 4, n_layers: int
     def count_fn(tokens):
         return int((tokens[:, 1:] != PAD).sum())
 
-    return {"model": model, "dataset": dataset, "loss_fn": loss_fn, "collate_fn": pad_batch, "count_fn": count_fn}
+    def metrics_fn(model, tokens):
+        targets = tokens[:, 1:]
+        real = targets != PAD
+        correct = (model(tokens[:, :-1]).argmax(-1) == targets) & real
+        return {"accuracy": (correct.sum(), real.sum())}
+
+    task = {"model": model, "dataset": train, "loss_fn": loss_fn, "collate_fn": pad_batch, "count_fn": count_fn}
+    if val is not None:
+        task.update(val_dataset=val, metrics_fn=metrics_fn)
+    return task

@@ -302,6 +302,8 @@ class Checkpointer:
 
             engine.last_step = StepInfo.from_dict(state["last_step"])  # flat metrics line -> StepInfo
         trainer.sampler.set_epoch(int(state["sampler_epoch"]))
+        if getattr(trainer, "validation", None) is not None:
+            trainer.validation.load_state_dict(state.get("eval"))
 
         step = int(engine_state["optimizer_steps"])
         saved = state["rng"]
@@ -319,9 +321,9 @@ class Checkpointer:
                 if s > step:  # a future that did not happen (damaged, or the user resumed an older one)
                     self._say(f"set aside {p} -> {store.set_aside(p)}", sys.stderr)
             store.truncate_metrics(trainer.run_dir, step)
-            where = f"epoch {engine.epoch_index + 1}, micro-batch {engine.micro_in_epoch}"
+            where = f"epoch {engine.epoch_index}, micro-batch {engine.micro_in_epoch}"
             if self._order is not None and old_world != self.world:
-                where = f"epoch {epoch + 1}: the {len(self._order[1])} samples not trained yet, re-dealt"
+                where = f"epoch {epoch}: the {len(self._order[1])} samples not trained yet, re-dealt"
             self._say(f"resumed from {path} (step {step}, {where}; saved by {old_world} workers)")
         self._barrier()
         return step
@@ -473,6 +475,9 @@ class Checkpointer:
             "config_hash": self.hash,
             "lr_scheduler": None if trainer.lr_scheduler is None else trainer.lr_scheduler.state_dict(),
         }
+        validation = getattr(trainer, "validation", None)
+        if validation is not None:  # best value and early-stop count (launcher/validation.py)
+            state["eval"] = validation.state_dict()
         if self._order is not None and self._order[0] == engine.epoch_index:
             state["epoch_order"] = {"epoch": self._order[0], "indices": torch.tensor(self._order[1])}
         if trainer.ds_engine is None and not _fsdp(trainer):  # DeepSpeed / FSDP2 keep sharded files of their own

@@ -18,10 +18,17 @@ def add_parser(sub) -> None:
 
 
 def preflight(cfg: Config) -> None:
-    """Everything that can be checked before any worker starts: task target (and a built-in's args), DeepSpeed
-    config."""
+    """Everything that can be checked before any worker starts: task target (and a built-in's args), import
+    paths, DeepSpeed config."""
     tasks.check_target(cfg.task.target)
     tasks.check_args(cfg.task.target, cfg.task.args)
+    from launcher import import_path
+    from launcher.config import LR_SCHEDULERS, OPTIMIZERS
+
+    if cfg.optimizer.name not in OPTIMIZERS:
+        import_path.check("optimizer.name", cfg.optimizer.name, "Lion")
+    if cfg.lr_scheduler is not None and cfg.lr_scheduler.name not in LR_SCHEDULERS:
+        import_path.check("lr_scheduler.name", cfg.lr_scheduler.name, "MyScheduler")
     if cfg.distributed.backend == "deepspeed":
         from launcher import deepspeed_setup  # no torch/deepspeed import at module level there either
 

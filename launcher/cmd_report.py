@@ -12,9 +12,19 @@ from launcher.errors import ConfigError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("report", help="plot a run's loss, schedule and LR to RUN_DIR/report.png and summarise it")
+    p = sub.add_parser("report", help="plot a run's loss (and validation loss), schedule and LR to RUN_DIR/report.png "
+                                           "and summarise it")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run's output directory (run.output_dir)")
     p.set_defaults(func=main)
+
+
+def read_evals(run_dir: str) -> list[dict]:
+    """eval.jsonl's records ([] when the run did not evaluate)."""
+    path = os.path.join(run_dir, "eval.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return report.parse_evals(f, where=f"{run_dir}: eval.jsonl")
 
 
 def read_inputs(run_dir: str) -> tuple[report.History, dict | None]:
@@ -50,10 +60,11 @@ def main(args) -> int:
     run_dir = args.run_dir
     report._load_matplotlib(run_dir)  # fail before any work when the extra is missing
     history, summary = read_inputs(run_dir)
-    numbers = report.summarize(history, summary)
+    evals = read_evals(run_dir)
+    numbers = report.summarize(history, summary, evals)
     text = report.format_summary(numbers, run_dir)
     png = os.path.join(run_dir, "report.png")
-    report.render(history, numbers, png, report.title(numbers, run_dir))
+    report.render(history, numbers, png, report.title(numbers, run_dir), evals)
     pictures = f"picture           {png}"
     if report_noise.has_noise(history):  # accumulation.noise_scale / adaptive: B_noise next to the batch
         text += report_noise.summary_line(history)

@@ -55,6 +55,10 @@ def main(args) -> int:
     if args.node_rank is not None and not 0 <= args.node_rank < dist.nnodes:
         raise ConfigError("--node-rank", f"{args.node_rank} is outside 0..{dist.nnodes - 1}", "number nodes from 0")
     preflight(cfg)
+    if not _plain_optimizer(cfg):
+        from launcher.optim import check_config  # imports torch and the named classes: only when there is a name to check
+
+        check_config(cfg)
     checkpoint_store.preflight(cfg, args.resume)  # damaged checkpoint, other config or world size: exit 2 here
     check_devices(cfg)
 
@@ -73,6 +77,15 @@ def main(args) -> int:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // dist.nproc_per_node)))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return subprocess.call(torchrun_argv(plan, worker_args), env=env)
+
+
+def _plain_optimizer(cfg) -> bool:
+    """A built-in optimizer and LR scheduler without extra keywords: nothing to import before launch."""
+    from launcher.config import LR_SCHEDULERS, OPTIMIZERS
+
+    sched = cfg.lr_scheduler
+    return (cfg.optimizer.name in OPTIMIZERS and not cfg.optimizer.args
+            and (sched is None or (sched.name in LR_SCHEDULERS and not sched.args)))
 
 
 if __name__ == "__main__":

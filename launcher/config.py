@@ -39,6 +39,20 @@ def _positive(v):
     return None if v > 0 else f"must be > 0, got {v}"
 
 
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCHEDULERS = ("constant", "linear", "cosine", "onecycle")
+
+
+def _name_or_path(known):
+    def check(value):
+        from launcher.import_path import looks_like_path
+
+        if value in known or looks_like_path(value):
+            return None
+        return f"{value!r} is not one of {', '.join(known)} nor an import path"
+    return check
+
+
 def _wrap_value(v):
     if v == "auto":
         return None
@@ -90,7 +104,10 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "adaptive": Field("mapping", None, nullable=True),
     },
     "optimizer": {
-        "name": Field("str", "adamw", choices=("sgd", "adam", "adamw")),
+        "name": Field("str", "adamw", check=_name_or_path(OPTIMIZERS),
+                      hint="use sgd, adam, adamw or an import path such as torch.optim.RMSprop or mypkg.optim:Lion"),
+        "args": Field("mapping", {}),  # extra keyword arguments of the optimizer's constructor
+        "no_decay": Field("list", []),  # parameter name parts without weight decay, e.g. [bias, norm]
         "lr": Field("float", 1e-3, check=_positive),
         "weight_decay": Field("float", None, nullable=True, check=_at_least(0)),
         "momentum": Field("float", None, nullable=True, check=_at_least(0)),
@@ -99,9 +116,22 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "max_grad_norm": Field("float", None, nullable=True, check=_positive),
     },
     "lr_scheduler": {
-        "name": Field("str", "constant", choices=("constant", "linear", "cosine", "onecycle")),
+        "name": Field("str", "constant", check=_name_or_path(LR_SCHEDULERS),
+                      hint="use constant, linear, cosine, onecycle or an import path such as "
+                           "torch.optim.lr_scheduler.StepLR"),
+        "args": Field("mapping", {}),  # extra keyword arguments of the scheduler's constructor
         "warmup_steps": Field("int", 0, check=_at_least(0)),
         "min_lr": Field("float", 0.0, check=_at_least(0)),
+    },
+    # Validation (launcher/evaluate.py): after every n epochs and/or every n optimizer steps, when the task returns a
+    # val_dataset. monitor/mode choose model-best.pt; early_stop is null or {patience, min_delta}.
+    "eval": {
+        "every_n_epochs": Field("int", 1, nullable=True, check=_at_least(1)),
+        "every_n_steps": Field("int", None, nullable=True, check=_at_least(1)),
+        "micro_batch_size": Field("int", None, nullable=True, check=_at_least(1)),
+        "monitor": Field("str", "val_loss"),
+        "mode": Field("str", "min", choices=("min", "max")),
+        "early_stop": Field("any", None, nullable=True),
     },
     "distributed": {
         "backend": Field("str", "ddp", choices=("ddp", "deepspeed", "fsdp")),
@@ -351,13 +381,47 @@ def _cross_check(cfg: Config) -> None:
     betas = cfg.optimizer.betas
     if betas is not None and (len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
         raise ConfigError("optimizer.betas", f"{betas!r} is not two numbers in [0, 1)", "write e.g. [0.9, 0.999]")
-    if cfg.optimizer.momentum is not None and cfg.optimizer.name != "sgd":
-        raise ConfigError("optimizer.momentum", f"applies to sgd only, not {cfg.optimizer.name}",
+    name = cfg.optimizer.name  # an import path takes momentum/betas/eps as keywords (checked at worker start)
+    if cfg.optimizer.momentum is not None and name in ("adam", "adamw"):
+        raise ConfigError("optimizer.momentum", f"applies to sgd only, not {name}",
                           "remove it or use optimizer.betas")
-    if cfg.optimizer.betas is not None and cfg.optimizer.name == "sgd":
+    if cfg.optimizer.betas is not None and name == "sgd":
         raise ConfigError("optimizer.betas", "applies to adam/adamw only", "remove it or use optimizer.momentum")
+    if not all(isinstance(p, str) and p for p in cfg.optimizer.no_decay):
+        raise ConfigError("optimizer.no_decay", f"{cfg.optimizer.no_decay!r} is not a list of names",
+                          "write e.g. [bias, norm]")
+    sched = cfg.lr_scheduler
+    if sched is not None and sched.name not in LR_SCHEDULERS:
+        for key, default in (("warmup_steps", 0), ("min_lr", 0.0)):
+            if getattr(sched, key) != default:
+                raise ConfigError(f"lr_scheduler.{key}", f"applies to the built-in schedulers, not {sched.name}",
+                                  "give the scheduler's own keywords in lr_scheduler.args")
+    elif sched is not None and sched.args:
+        raise ConfigError("lr_scheduler.args", f"applies to a scheduler given by import path, not {sched.name}",
+                          "remove it, or name a scheduler class such as torch.optim.lr_scheduler.StepLR")
+    _check_eval(cfg.eval)
     del schedule
     noise_config.check(cfg)
+
+
+def _check_eval(section) -> None:
+    stop = section.early_stop
+    if stop is None:
+        return
+    if not isinstance(stop, dict):
+        raise ConfigError("eval.early_stop", f"expected a mapping or null, got {stop!r}",
+                          "write e.g. {patience: 3, min_delta: 0.0}")
+    for key in stop:
+        if key not in ("patience", "min_delta"):
+            raise ConfigError(f"eval.early_stop.{key}", "unknown key", "known keys: patience, min_delta")
+    patience = stop.get("patience")
+    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+        raise ConfigError("eval.early_stop.patience", f"must be an integer >= 1, got {patience!r}",
+                          "stop after this many evaluations without improvement, e.g. 3")
+    delta = stop.get("min_delta", 0.0)
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or delta < 0:
+        raise ConfigError("eval.early_stop.min_delta", f"must be a number >= 0, got {delta!r}",
+                          "the least change of eval.monitor that counts as an improvement, e.g. 0.001")
 
 
 # -- loading ----------------------------------------------------------------------------------------------------

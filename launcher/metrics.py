@@ -33,7 +33,7 @@ class Progress:
     def step(self, info, effective_batch) -> None:
         if self.mode == "none":
             return
-        text = (f"epoch {info.epoch + 1}/{self.epochs}  step {info.step}/{self.total}  loss {info.loss:.4f}  "
+        text = (f"epoch {info.epoch} of 0-{self.epochs - 1}  step {info.step}/{self.total}  loss {info.loss:.4f}  "
                 f"factor {info.factor}  eff.batch {effective_batch}  lr {info.lr:.3g}")
         if self.mode == "bar":
             now = time.monotonic()
@@ -49,7 +49,24 @@ class Progress:
     def epoch_end(self, epoch: int, loss: float, seconds: float) -> None:
         if self.mode == "none":
             return
-        line = f"epoch {epoch + 1}/{self.epochs} done  loss {loss:.4f}  {seconds:.1f}s"
+        line = f"epoch {epoch} of 0-{self.epochs - 1} done  loss {loss:.4f}  {seconds:.1f}s"
+        if self.mode == "bar":
+            self.stream.write("\r" + line + "\x1b[K\n")
+            self.stream.flush()
+        else:
+            print(line, file=self.stream, flush=True)
+
+
+    def evaluation(self, record: dict, best: dict | None, monitor: str) -> None:
+        """One line per evaluation (on its own line in bar mode too): the monitored value and the best so far."""
+        if self.mode == "none":
+            return
+        extra = "".join(f"  {k} {v:.4g}" for k, v in record.items()
+                        if k not in ("epoch", "step", "val_loss", "val_elements", "wall_time"))
+        line = (f"eval  epoch {record['epoch']}  step {record['step']}  val_loss {record['val_loss']:.4f}{extra}  "
+                f"({record['val_elements']} elements)")
+        if best is not None:
+            line += f"  best {monitor} {best[monitor]:.4f} at step {best['step']}"
         if self.mode == "bar":
             self.stream.write("\r" + line + "\x1b[K\n")
             self.stream.flush()
@@ -85,6 +102,13 @@ class MetricsWriter:
                 self._tb.add_scalar(f"train/{key}", record[key], info.step)
             if record.get("noise_scale") is not None:  # accumulation.noise_scale
                 self._tb.add_scalar("train/noise_scale", record["noise_scale"], info.step)
+
+    def write_eval(self, record: dict) -> None:
+        """Mirror an evaluation (an eval.jsonl line, written by launcher/validation.py) to TensorBoard."""
+        if self._tb is not None:
+            for key, value in record.items():
+                if key not in ("epoch", "step", "wall_time") and isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"val/{key}", value, record["step"])
 
     def close(self) -> None:
         self._file.close()

@@ -1,4 +1,5 @@
-"""The picture and text summary of a finished (or running) run, from its metrics.jsonl and summary.json.
+"""The picture and text summary of a finished (or running) run, from its metrics.jsonl, eval.jsonl (when the run
+evaluated) and summary.json.
 
 Pure functions over parsed JSON, so they are testable without a run and never import torch; matplotlib is imported
 only inside `render()` (it is the optional `report` extra).
@@ -81,6 +82,37 @@ def parse_metrics(lines, where: str = "metrics.jsonl") -> History:
     return History(steps, resumed_at, sessions, dropped, torn)
 
 
+def parse_evals(lines, where: str = "eval.jsonl") -> list[dict]:
+    """Parse eval.jsonl lines (one per evaluation, launcher/validation.py). An unfinished last line is ignored; a
+    step that goes back (lines gathered from several sessions by hand) replaces what came after it."""
+    lines = [text for text in lines if text.strip()]
+    records: list[dict] = []
+    for number, text in enumerate(lines, 1):
+        try:
+            rec = json.loads(text)
+        except json.JSONDecodeError as exc:
+            if number == len(lines):
+                break
+            raise ConfigError(where, f"line {number} is not JSON ({exc.msg})",
+                              "the file is damaged; delete the bad line or rerun the training") from None
+        if not isinstance(rec, dict) or not all(k in rec for k in ("epoch", "step", "val_loss")):
+            raise ConfigError(where, f"line {number} lacks epoch, step or val_loss",
+                              "it was not written by accum-sched run; move it away to report without it")
+        while records and records[-1]["step"] >= rec["step"]:
+            records.pop()
+        records.append(rec)
+    return records
+
+
+def best_eval(evals: list[dict], monitor: str = "val_loss", mode: str = "min") -> dict | None:
+    """The first evaluation with the best finite value of ``monitor``."""
+    finite = [e for e in evals if isinstance(e.get(monitor), (int, float)) and math.isfinite(e[monitor])]
+    if not finite:
+        return None
+    pick = min if mode == "min" else max
+    return pick(finite, key=lambda e: e[monitor])
+
+
 @dataclass
 class Segment:
     """A stretch of consecutive optimizer steps with one factor: the schedule as it was actually applied."""
@@ -140,9 +172,10 @@ def rolling_mean(values, window: int) -> list[float]:
     return out
 
 
-def summarize(history: History, summary: dict | None) -> dict:
-    """The numbers of the text summary. Counts come from metrics.jsonl; world size, wall time and all-reduce rounds
-    only summary.json knows (the worker writes it at the end, so a running or crashed run has none)."""
+def summarize(history: History, summary: dict | None, evals: list[dict] | None = None) -> dict:
+    """The numbers of the text summary. Counts come from metrics.jsonl (and eval.jsonl); world size, wall time and
+    all-reduce rounds only summary.json knows (the worker writes it at the end, so a running or crashed run has
+    none)."""
     steps = history.steps
     last = steps[-1]
     train_seconds = sum(s[-1] for s in history.sessions if s) if any(history.sessions) else None
@@ -161,7 +194,14 @@ def summarize(history: History, summary: dict | None) -> dict:
         "resumed_at": list(history.resumed_at),
         "world_size": None, "backend": None, "epochs": None, "completed_epochs": None, "wall_seconds": None,
         "allreduce_rounds": None, "rounds_per_step": None, "notes": [],
+        "eval_last": None, "eval_best": None, "eval_monitor": "val_loss", "eval_mode": "min",
     }
+    if evals:
+        if summary is not None:
+            numbers["eval_monitor"] = summary.get("eval_monitor", "val_loss")
+            numbers["eval_mode"] = summary.get("eval_mode", "min")
+        numbers["eval_last"] = evals[-1]
+        numbers["eval_best"] = best_eval(evals, numbers["eval_monitor"], numbers["eval_mode"])
     if history.dropped_runs:
         numbers["notes"].append(f"metrics.jsonl also holds {history.dropped_runs} earlier run(s) in this directory; "
                                 "only the latest is reported")
@@ -219,6 +259,7 @@ def format_summary(numbers: dict, run_dir: str) -> str:
         steps_text = f"{seg.first_step}-{seg.last_step}"
         lines.append(f"                  {epochs_text:<8} {steps_text:<10} {seg.factor:>6}  "
                      f"{_num(seg.effective_batch, 'd', '?'):>9}  {seg.steps:>15}")
+    lines += _format_validation(n)
     wall = "unknown" if n["wall_seconds"] is None else f"{n['wall_seconds']:.1f} s"
     if n["train_seconds"] is not None:
         wall += f" (training {n['train_seconds']:.1f} s, {n['samples_per_s']:.0f} samples/s)"
@@ -229,6 +270,18 @@ def format_summary(numbers: dict, run_dir: str) -> str:
     lines.append(f"all-reduce rounds {rounds}")
     lines += [f"note: {note}" for note in n["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _format_validation(n: dict) -> list[str]:
+    last, best, monitor = n["eval_last"], n["eval_best"], n["eval_monitor"]
+    if last is None:
+        return []
+    out = [f"validation        val_loss {last['val_loss']:.6g} at step {last['step']} (epoch {last['epoch']}), "
+           f"{last.get('val_elements', '?')} elements"]
+    if best is not None:
+        out.append(f"best validation   {monitor} {best[monitor]:.6g} ({n['eval_mode']}) at step {best['step']} "
+                   f"(epoch {best['epoch']})")
+    return out
 
 
 def title(numbers: dict, run_dir: str) -> str:
@@ -269,29 +322,43 @@ def _mark_epochs(ax, positions, labels, top_label: bool) -> None:
         top.set_xlabel("epoch", fontsize=8, labelpad=4)
 
 
-def render(history: History, numbers: dict, path: str, title: str) -> None:
-    """Write the 2x2 report figure to `path` (PNG): loss vs steps, loss vs samples, factor / effective batch, LR."""
+def render(history: History, numbers: dict, path: str, title: str, evals: list[dict] | None = None) -> None:
+    """Write the 2x2 report figure to `path` (PNG): loss vs steps and vs samples (with the validation loss when
+    ``evals`` has lines of eval.jsonl), factor / effective batch, LR."""
     _, Figure, FigureCanvasAgg = _load_matplotlib(os.path.dirname(path) or ".")
-    from matplotlib.ticker import EngFormatter, MaxNLocator
-
-    steps = history.column("step")
-    loss = [float(v) for v in history.column("loss")]
-    samples = cumulative(history.column("samples"))
-    smooth = rolling_mean(loss, max(1, len(loss) // 40))
-    skipped = [i for i, s in enumerate(history.steps) if s["skipped"]]
-    bounds = epoch_boundaries(history)
-    finite = [v for v in loss if math.isfinite(v)]
-    log_loss = bool(finite) and min(finite) > 0 and max(finite) / min(finite) > 20
-
     fig = Figure(figsize=(13, 8.5), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 2)
-    (ax_loss, ax_samples), (ax_factor, ax_lr) = axes
+    (ax_loss, ax_samples), (ax_factor, ax_lr) = fig.subplots(2, 2)
     ax_factor.sharex(ax_loss)
     ax_lr.sharex(ax_loss)
+    steps = history.column("step")
+    samples = cumulative(history.column("samples"))
+    _draw_loss(ax_loss, ax_samples, history, steps, samples)
+    if evals:
+        _draw_validation(ax_loss, ax_samples, evals, dict(zip(steps, samples)))
+    _draw_factor(ax_factor, history, steps, numbers["segments"])
+    _draw_lr(ax_lr, history, steps)
+    ax_loss.set_xlim(0, steps[-1])
+    ax_samples.set_xlim(0, samples[-1])
+    _draw_markers(history, numbers, steps, samples, ax_loss, ax_samples, ax_factor, ax_lr)
+    ax_loss.legend(loc="upper right", fontsize=8)
+    fig.suptitle(title, fontsize=12)
+    fig.savefig(path, dpi=100)
 
-    # Skipped steps have no loss (NaN); the line joins their neighbours and an x marks them. A short run gets
-    # markers and no moving average (a window under 3 steps would only repeat the raw line).
+
+def _draw_loss(ax_loss, ax_samples, history: History, steps: list, samples: list) -> None:
+    """The training loss per step against steps and against samples seen; skipped steps marked with an x.
+
+    Skipped steps have no loss (NaN); the line joins their neighbours. A short run gets markers and no moving
+    average (a window under 3 steps would only repeat the raw line).
+    """
+    from matplotlib.ticker import EngFormatter
+
+    loss = [float(v) for v in history.column("loss")]
+    smooth = rolling_mean(loss, max(1, len(loss) // 40))
+    skipped = [i for i, s in enumerate(history.steps) if s["skipped"]]
+    finite = [v for v in loss if math.isfinite(v)]
+    log_loss = bool(finite) and min(finite) > 0 and max(finite) / min(finite) > 20
     kept = [i for i, v in enumerate(loss) if math.isfinite(v)]
     short = len(loss) // 40 < 3
     for ax, xs, xlabel in ((ax_loss, steps, "optimizer step"), (ax_samples, samples, "samples seen (all ranks)")):
@@ -311,48 +378,73 @@ def render(history: History, numbers: dict, path: str, title: str) -> None:
     ax_loss.set_title("Loss against optimizer steps", fontsize=11)
     ax_samples.set_title("Loss against samples seen", fontsize=11)
     ax_samples.xaxis.set_major_formatter(EngFormatter(sep=""))
-    ax_loss.legend(loc="upper right", fontsize=8)
 
-    # The factor holds for a whole window: window k spans (k-1, k] in "steps completed", hence steps-pre from 0.
+
+def _draw_validation(ax_loss, ax_samples, evals: list[dict], samples_at: dict) -> None:
+    """The validation loss at each evaluation, on both loss panels (by step, and by the samples seen by then)."""
+    points = [(e["step"], float(e["val_loss"])) for e in evals if math.isfinite(float(e["val_loss"]))]
+    if not points:
+        return
+    style = dict(color="tab:red", linewidth=1.6, marker="s", markersize=4)
+    ax_loss.plot([s for s, _ in points], [v for _, v in points], label="validation loss", **style)
+    on_samples = [(samples_at[s], v) for s, v in points if s in samples_at]
+    ax_samples.plot([x for x, _ in on_samples], [v for _, v in on_samples], label="validation loss", **style)
+    ax_samples.legend(loc="upper right", fontsize=8)
+
+
+def _draw_factor(ax, history: History, steps: list, segments: list) -> None:
+    """The accumulation factor per window, each level labelled, and the effective batch as a second scale.
+
+    The factor holds for a whole window: window k spans (k-1, k] in "steps completed", hence steps-pre from 0.
+    """
+    from matplotlib.ticker import MaxNLocator
+
     factors = history.column("factor")
-    ax_factor.step([0] + steps, [factors[0]] + factors, where="pre", color="tab:green", linewidth=1.8)
-    ax_factor.set_ylabel("accumulation factor", color="tab:green")
-    ax_factor.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_factor.set_ylim(0, max(factors) * 1.15)
-    ax_factor.set_xlabel("optimizer step")
-    ax_factor.set_title("Accumulation factor and effective batch", fontsize=11)
-    ax_factor.grid(True, alpha=0.3)
-    for seg in numbers["segments"]:  # label each level over its middle; the last one ends at the right edge
+    ax.step([0] + steps, [factors[0]] + factors, where="pre", color="tab:green", linewidth=1.8)
+    ax.set_ylabel("accumulation factor", color="tab:green")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylim(0, max(factors) * 1.15)
+    ax.set_xlabel("optimizer step")
+    ax.set_title("Accumulation factor and effective batch", fontsize=11)
+    ax.grid(True, alpha=0.3)
+    for seg in segments:  # label each level over its middle; the last one ends at the right edge
         text = f"×{seg.factor}" + (f" (batch {seg.effective_batch})" if seg.effective_batch else "")
-        last = seg is numbers["segments"][-1]
+        last = seg is segments[-1]
         x = seg.last_step if last else (seg.first_step - 1 + seg.last_step) / 2
-        ax_factor.annotate(text, (x, seg.factor), xytext=(-4 if last else 0, 4), textcoords="offset points",
-                           fontsize=8, color="tab:green", ha="right" if last else "center")
+        ax.annotate(text, (x, seg.factor), xytext=(-4 if last else 0, 4), textcoords="offset points",
+                    fontsize=8, color="tab:green", ha="right" if last else "center")
     batches = history.column("effective_batch")
     ratios = {b / f for b, f in zip(batches, factors) if b is not None and f}
     if len(ratios) == 1:  # effective batch = factor x micro-batch x world: one line, a second scale
         ratio = ratios.pop()
-        right = ax_factor.secondary_yaxis("right", functions=(lambda f: f * ratio, lambda b: b / ratio))
+        right = ax.secondary_yaxis("right", functions=(lambda f: f * ratio, lambda b: b / ratio))
         right.set_ylabel("effective batch (samples per step)")
     elif ratios:
-        right = ax_factor.twinx()
+        right = ax.twinx()
         right.step([0] + steps, [batches[0]] + batches, where="pre", color="tab:purple", linewidth=1.2)
         right.set_ylabel("effective batch", color="tab:purple")
 
-    ax_lr.plot(steps, history.column("lr"), color="tab:orange", linewidth=1.6)
-    ax_lr.set_xlabel("optimizer step")
-    ax_lr.set_ylabel("learning rate")
-    ax_lr.set_title("Learning rate", fontsize=11)
-    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-    ax_lr.grid(True, alpha=0.3)
-    ax_loss.set_xlim(0, steps[-1])
-    ax_samples.set_xlim(0, samples[-1])
 
+def _draw_lr(ax, history: History, steps: list) -> None:
+    ax.plot(steps, history.column("lr"), color="tab:orange", linewidth=1.6)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("learning rate")
+    ax.set_title("Learning rate", fontsize=11)
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    ax.grid(True, alpha=0.3)
+
+
+def _draw_markers(history: History, numbers: dict, steps: list, samples: list, ax_loss, ax_samples, ax_factor,
+                  ax_lr) -> None:
+    """Vertical lines on every panel: epoch starts (named on a top axis), factor changes, resumes.
+
+    Factor changes appear on the other panels too: the point of the picture is what a change did to the loss.
+    """
+    bounds = epoch_boundaries(history)
     epochs = [b[0] for b in bounds]
     for ax in (ax_loss, ax_factor, ax_lr):
         _mark_epochs(ax, [b[1] for b in bounds], epochs, top_label=ax is ax_loss)
     _mark_epochs(ax_samples, [b[2] for b in bounds], epochs, top_label=True)
-    # Where the factor changes, on the other panels too: the point of the picture is what a change did to the loss.
     changes = numbers["segments"][1:]
     index = {step: i for i, step in enumerate(steps)}
     for seg in changes:
@@ -361,14 +453,9 @@ def render(history: History, numbers: dict, path: str, title: str) -> None:
             ax.axvline(x, color="tab:green", linestyle="--", linewidth=0.9, alpha=0.8)
     if changes:
         ax_loss.plot([], [], color="tab:green", linestyle="--", linewidth=0.9, label="factor change")
-        ax_loss.legend(loc="upper right", fontsize=8)
     for step in history.resumed_at:
         samples_before = samples[index[step] - 1] if index[step] else 0
         for ax, x in ((ax_loss, step - 1), (ax_factor, step - 1), (ax_lr, step - 1), (ax_samples, samples_before)):
             ax.axvline(x, color="tab:purple", linestyle="--", linewidth=1.0)
     if history.resumed_at:
         ax_loss.plot([], [], color="tab:purple", linestyle="--", label="resumed from checkpoint")
-        ax_loss.legend(loc="upper right", fontsize=8)
-
-    fig.suptitle(title, fontsize=12)
-    fig.savefig(path, dpi=100)

@@ -161,7 +161,7 @@ class Trainer:
             from launcher import fsdp_setup
 
             self.model = fsdp_setup.shard(cfg, self.model, device)
-        self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
+        self.optimizer = build_optimizer(cfg.optimizer, self.model)  # the module: no_decay matches names
         self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer, self.total_steps)
         self.ds_engine = None
         if cfg.distributed.backend == "deepspeed":
@@ -192,6 +192,36 @@ class Trainer:
         self.metrics = None
         self.progress = None
         self.start = time.time()
+        self.validation = self._make_validation()
+        self.early_stopped = False
+
+    def _make_validation(self):
+        if self.task.val_dataset is None:
+            if self.cfg.eval.early_stop is not None:
+                raise ConfigError("eval.early_stop", "needs a validation set, but the task returns no val_dataset",
+                                  "return val_dataset from the task, or remove eval.early_stop")
+            return None
+        from launcher.validation import Validation
+
+        return Validation(self.cfg, self.task, self.wrapped, self.device, self.rank, self.engine.autocast,
+                          lambda batch: to_device(batch, self.device), self.final_state_dict, self.run_dir,
+                          self.start)
+
+    def validate(self, epoch: int) -> None:
+        """Evaluate (collective); on every rank, stop when early stopping says so (same numbers everywhere)."""
+        record = self.validation.run(epoch, self.engine.optimizer_steps)
+        if self.metrics is not None:
+            self.metrics.write_eval(record)
+        if self.progress is not None:
+            self.progress.evaluation(record, self.validation.best, self.cfg.eval.monitor)
+        if self.validation.stop:
+            self.early_stopped = True
+
+    def _validate_step(self, info) -> None:
+        if self.validation is not None and self.validation.due_after_step(info.step):
+            self.validate(info.epoch)
+            if self.early_stopped:
+                self.engine.should_stop = True  # ends the epoch's loop after this step, on every rank
 
     def loss_fn(self, model, batch):
         return self.task.loss_fn(model, to_device(batch, self.device))
@@ -203,7 +233,10 @@ class Trainer:
 
     def fit(self) -> None:
         cfg = self.cfg
-        self.checkpointer.restore(self)  # before the metrics writer: it cuts metrics.jsonl back to the checkpoint
+        step = self.checkpointer.restore(self)  # before the metrics writer: it cuts metrics.jsonl back to the checkpoint
+        if self.validation is not None:
+            self.validation.truncate(step)  # eval.jsonl likewise
+            self.early_stopped = self.validation.stop  # a resumed run that had stopped early stays stopped
         if self.rank == 0:
             os.makedirs(self.run_dir, exist_ok=True)
             self.metrics = MetricsWriter(self.run_dir, cfg.logging.tensorboard, self.start)
@@ -215,17 +248,22 @@ class Trainer:
                       f"adaptive factor {self.adaptive['min_factor']}..{self.adaptive['max_factor']} (at most "
                       f"that many steps)"), flush=True)
         self.engine.on_step(self._on_step)
+        self.engine.on_step(self._validate_step)  # after the step's metrics line, before its checkpoint
         self.engine.on_step(self.checkpointer.on_step)  # after the metrics line of the same step
-        for epoch in range(self.engine.epoch_index, cfg.run.epochs):
+        for epoch in range(self.engine.epoch_index, cfg.run.epochs if not self.early_stopped else 0):
             began = time.time()
             self.sampler.set_epoch(epoch)
             self.engine.train_epoch(self.checkpointer.loader(epoch, self.loader), self.loss_fn, epoch)
             if self.engine.should_stop:
                 break
+            if self.validation is not None and self.validation.due_after_epoch(epoch, self.engine.optimizer_steps):
+                self.validate(epoch)
             self.checkpointer.epoch_end()
             if self.progress is not None and self.engine.last_step is not None:
                 self.progress.epoch_end(epoch, self.engine.last_step.loss, time.time() - began)
-        if self.engine.should_stop:
+            if self.early_stopped:
+                break
+        if self.engine.should_stop and not self.early_stopped:
             self.stop_for_preemption()
             return
         self.finish()
@@ -254,6 +292,9 @@ class Trainer:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def finish(self) -> None:
+        if self.early_stopped and self.rank == 0:
+            print(f"accum-sched: early stop: {self.cfg.eval.monitor} did not improve in "
+                  f"{self.validation.bad} evaluations", flush=True)
         state = self.final_state_dict()
         counters = self.engine.counters()
         if self.rank != 0:
@@ -267,13 +308,16 @@ class Trainer:
         summary = {
             "world_size": self.world, "epochs": self.cfg.run.epochs, "completed_epochs": self.engine.epoch_index,
             "optimizer_steps": counters["optimizer_steps"], "skipped_steps": counters["skipped_steps"],
+            "overflow_steps": counters["overflow_steps"],
             "micro_batches": counters["micro_batches"], "micro_batches_all_ranks": counters["micro_batches"] * self.world,
             "elements": counters["elements"], "samples": counters["samples"],
             "allreduce_rounds": counters["allreduce_rounds"], "final_loss": None if last is None else last.loss,
             "final_factor": counters["factor"], "effective_batch": counters["effective_batch"],
             "wall_seconds": round(time.time() - self.start, 3), "backend": self.cfg.distributed.backend,
-            "stopped_early": bool(self.engine.should_stop),
+            "stopped_early": bool(self.engine.should_stop or self.early_stopped),
         }
+        if self.validation is not None:
+            summary.update(self.validation.summary())
         atomic_write_json(os.path.join(self.run_dir, "summary.json"), summary)
         self.metrics.close()
         print(f"accum-sched: done: {summary['optimizer_steps']} optimizer steps, final loss "
@@ -304,9 +348,13 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore")
         logging.getLogger("accum_sched").setLevel(logging.ERROR)
     device = init_distributed(cfg, launch)
-    trainer = Trainer(cfg, device, args.resume)
-    preemption.attach(trainer.engine.request_stop)
-    trainer.fit()
+    try:
+        trainer = Trainer(cfg, device, args.resume)
+        preemption.attach(trainer.engine.request_stop)
+        trainer.fit()
+    except ConfigError as err:  # bad input found once the task and its classes are imported: one line, exit 2
+        print(f"error: {err.line()}", file=sys.stderr, flush=True)
+        return 2
     # Tear down in order while the interpreter is fully alive: DDP (and DeepSpeed) hold the process group and our
     # comm hook, and the trainer sits in a reference cycle with its engine's callbacks, so without an explicit
     # collection they would die during interpreter finalization, where a gloo group's threads can abort the

@@ -139,7 +139,7 @@ def test_sigkilled_worker_is_restarted_by_torchrun_and_resumes_by_itself(ref, tm
     assert marker.read_text() == "kill at micro-batch 46\n"
     text = proc.stdout + proc.stderr
     assert "exitcode: -9" in text  # torchrun saw the SIGKILL
-    assert "resumed from " + os.path.join(run, "checkpoints", "step-00000028") + " (step 28, epoch 3, micro-batch 12" \
+    assert "resumed from " + os.path.join(run, "checkpoints", "step-00000028") + " (step 28, epoch 2, micro-batch 12" \
         in text
     assert_same_bits(run, ref)
 

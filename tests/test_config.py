@@ -95,7 +95,7 @@ def test_cli_exit_code_and_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "launcher", "run", path], capture_output=True, text=True,
                           cwd=tmp_path)
     assert proc.returncode == 2
-    assert proc.stderr.startswith("error: optimizer.name: 'lion' is not one of sgd, adam, adamw")
+    assert proc.stderr.startswith("error: optimizer.name: 'lion' is not one of sgd, adam, adamw nor an import path")
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 

@@ -72,7 +72,7 @@ def test_killed_worker_resumes_from_dcp_bit_for_bit(runs, tmp_path):
     text = proc.stdout + proc.stderr
     assert "exitcode: -9" in text
     step28 = os.path.join(run, "checkpoints", "step-00000028")
-    assert "resumed from " + step28 + " (step 28, epoch 3, micro-batch 12" in text
+    assert "resumed from " + step28 + " (step 28, epoch 2, micro-batch 12" in text
     shards = sorted(os.listdir(os.path.join(step28, "fsdp")))
     assert ".metadata" in shards and len([s for s in shards if s.endswith(".distcp")]) == 2  # one file per rank
     model, metrics, summary = outputs(run)

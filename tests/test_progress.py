@@ -26,5 +26,5 @@ def test_plain_lines_every_log_every_steps():
         plain.step(info(step), effective_batch=64)
     plain.epoch_end(0, 0.5, 1.0)
     lines = out.getvalue().splitlines()
-    assert [line.split()[3] for line in lines[:-1]] == ["10/25", "20/25", "25/25"]
-    assert lines[-1].startswith("epoch 1/2 done")
+    assert [line.split()[5] for line in lines[:-1]] == ["10/25", "20/25", "25/25"]
+    assert lines[-1].startswith("epoch 0 of 0-1 done")
