@@ -6,7 +6,7 @@ DistributedDataParallel module or a DeepSpeed engine. Importing this package nev
 from accum_sched.schedule import AccumulationSchedule, Position
 
 __version__ = "0.1.0"
-__all__ = ["AccumulationSchedule", "AccumulationEngine", "Position", "StepInfo", "optimizer_steps"]
+__all__ = ["AccumulationSchedule", "AccumulationEngine", "Position", "ResumeSampler", "StepInfo", "optimizer_steps"]
 
 
 def __getattr__(name):
@@ -15,4 +15,8 @@ def __getattr__(name):
         from accum_sched import engine
 
         return getattr(engine, name)
+    if name == "ResumeSampler":
+        from accum_sched.resume import ResumeSampler
+
+        return ResumeSampler
     raise AttributeError(f"module 'accum_sched' has no attribute {name!r}")

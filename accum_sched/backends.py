@@ -24,6 +24,8 @@ class TorchBackend:
     averages_over_world = False
     #: The engine may multiply losses by a per-window constant (see AccumulationEngine._window_prescale).
     prescale_ok = True
+    #: local_grads/load_local_grads work, so a stop may leave a window open (engine stop_at="micro_batch").
+    partial_window_ok = True
 
     def __init__(self, model: torch.nn.Module, optimizer, lr_scheduler=None, scaler=None):
         if optimizer is None:
@@ -93,6 +95,21 @@ class TorchBackend:
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    # -- an open window (stopped inside it) ---------------------------------------------------------------------
+    def local_grads(self) -> list:
+        """This rank's accumulated gradient of an open window, one CPU tensor (or None) per optimizer parameter.
+        Under DDP's no_sync these are the local, not yet reduced, gradients: they differ per rank."""
+        return [None if p.grad is None else p.grad.detach().cpu().clone()
+                for group in self.optimizer.param_groups for p in group["params"]]
+
+    def load_local_grads(self, grads: list) -> None:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if len(grads) != len(params):
+            raise ValueError(f"the saved window holds {len(grads)} gradients, the optimizer has {len(params)} "
+                             f"parameters")
+        for p, g in zip(params, grads):
+            p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
 
     def state_dict(self) -> dict:
         return {}

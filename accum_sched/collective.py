@@ -38,11 +38,24 @@ def all_sum(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def all_sum_async(values: torch.Tensor):
+def all_sum_async(values: torch.Tensor, group=None):
     """Start summing ``values`` over ranks in place; returns the work to ``wait()`` on (None in one process)."""
     if is_distributed():
-        return dist.all_reduce(values, op=dist.ReduceOp.SUM, async_op=True)
+        return dist.all_reduce(values, op=dist.ReduceOp.SUM, async_op=True, group=group)
     return None
+
+
+_side_group = None
+
+
+def side_group():
+    """A gloo group over all ranks for small CPU flags polled every micro-batch (the stop flag): it never queues
+    behind the gradient collectives of the default group, and reading a CPU tensor is no device sync under NCCL.
+    Made once, on first use; collective (every rank must ask at the same point, e.g. in the engine's constructor)."""
+    global _side_group
+    if _side_group is None:
+        _side_group = dist.new_group(backend="gloo")
+    return _side_group
 
 
 def min_max(values: Sequence[int]) -> tuple[list[int], list[int]]:

@@ -14,7 +14,12 @@ Rules (see DESIGN.md): windows start at each epoch start; the last window of an 
 at the epoch end, never carried over. The optimizer sees the gradient of the mean loss over every element of the
 window on every rank, i.e. exactly one large batch. All ranks agree by collective on the factor, the schedule and the
 number of micro-batches at every epoch start, and on counts, non-finite and stop flags at every window end (one
-all-reduce of five numbers: the only collective per step besides DDP's gradient all-reduce).
+all-reduce of five numbers: the only collective per step besides DDP's gradient all-reduce). With
+``stop_at="micro_batch"`` a one-number stop flag is also summed per micro-batch, asynchronously on a gloo group of
+its own, so a preemption is answered within about a micro-batch (see :class:`StopPoll`).
+
+Resuming: ``load_state_dict`` then, per epoch, a loader positioned at ``resume_offset(epoch)`` with
+``micro_batches(..., skip=False)`` (see accum_sched/resume.py), or the whole epoch with the default ``skip=True``.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ UNEVEN = ("truncate", "error")
 NONFINITE = ("skip", "raise")
 PRECISION = ("fp32", "bf16", "fp16")
 LR_COUPLING = ("none", "linear", "sqrt", "adascale")
+STOP_AT = ("boundary", "micro_batch")
 
 
 @dataclass
@@ -124,6 +130,12 @@ class AccumulationEngine:
             factor from the noise scale instead of ``schedule`` (which must stay the default 1); implies
             ``noise_scale``. Optimizer-step totals are unknown in advance then: an LR scheduler you pass is stepped
             once per step all the same, so use one that does not depend on the total (constant, warm-up).
+        stop_at: where :meth:`request_stop` takes effect: ``"boundary"`` (default; the next optimizer step, agreed
+            in the window-end collective, no extra communication) or ``"micro_batch"`` (within about one
+            micro-batch at any factor: ranks agree through a one-number all-reduce per micro-batch, started after
+            each backward and read one micro-batch later on a gloo group of its own, so it never blocks; the open
+            window is then saved by :meth:`state_dict`). Back ends that cannot save a partial window (DeepSpeed),
+            and the noise-scale measurement (its per-window sums are not saved), fall back to ``"boundary"``.
         gradient_sync: FSDP2 models only: ``"boundary"`` (default; one reduce-scatter per optimizer step, unsharded
             gradients held inside the window) or ``"every_micro_batch"`` (reduce-scatter each micro-batch into
             sharded gradients; less memory, more traffic). See accum_sched/fsdp_backend.py.
@@ -132,11 +144,11 @@ class AccumulationEngine:
     def __init__(self, model, optimizer=None, schedule=1, *, lr_scheduler=None, max_grad_norm: float | None = None,
                  normalize: str = "elements", uneven: str = "truncate", nonfinite: str = "skip",
                  precision: str = "fp32", micro_batch_size: int | None = None, count_allreduce: bool = True,
-                 lr_coupling: str = "none", noise_scale: bool = False, adaptive=None,
+                 lr_coupling: str = "none", noise_scale: bool = False, adaptive=None, stop_at: str = "boundary",
                  gradient_sync: str = "boundary"):
         for name, value, allowed in (("normalize", normalize, NORMALIZE), ("uneven", uneven, UNEVEN),
                                      ("nonfinite", nonfinite, NONFINITE), ("precision", precision, PRECISION),
-                                     ("lr_coupling", lr_coupling, LR_COUPLING)):
+                                     ("lr_coupling", lr_coupling, LR_COUPLING), ("stop_at", stop_at, STOP_AT)):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -190,6 +202,13 @@ class AccumulationEngine:
         self._prescale = 1.0  # loss multiplier of the open window (see _window_prescale)
         self._stats: torch.Tensor | None = None  # the window's counts and flags, summed over ranks ...
         self._stats_work = None  # ... by an all-reduce started before the window's last backward
+        self._win_start: int | None = None  # micro-batch (in its epoch) where a window left open by a stop began
+
+        # stopping inside a window (see resume.py): needs a back end that can hand out its local gradients
+        # (and no per-micro-batch state of its own outside the gradients: the noise scale's sums are not saved)
+        partial_ok = getattr(self.backend, "partial_window_ok", False) and self.noise is None
+        self.stop_at = stop_at if partial_ok else "boundary"
+        self._stop_poll = StopPoll(self.world_size) if self.stop_at == "micro_batch" else None
 
     # -- public counters ----------------------------------------------------------------------------------------
     @property
@@ -211,12 +230,27 @@ class AccumulationEngine:
         return callback
 
     def request_stop(self) -> None:
-        """Ask to stop at the next optimizer boundary (safe from a signal handler: it only sets a flag).
+        """Ask to stop (safe from a signal handler: it only sets a flag), at the next optimizer boundary or, with
+        ``stop_at="micro_batch"``, within about one micro-batch.
 
-        Ranks agree on it in the window-end collective, so every rank stops after the same step and
-        :attr:`should_stop` becomes True everywhere.
+        Ranks agree on it by collective, so every rank stops after the same micro-batch and :attr:`should_stop`
+        becomes True everywhere. A stop inside a window leaves it open (:attr:`window_open`): save
+        :meth:`state_dict` on every rank, it holds this rank's accumulated gradient.
         """
         self._stop_requested = True
+
+    @property
+    def window_open(self) -> bool:
+        """True between micro-batches of an unfinished window, e.g. after a stop inside it."""
+        return self._win_n is not None
+
+    def resume_offset(self, epoch: int) -> int:
+        """Micro-batches of ``epoch`` already trained: where a positioned loader must start (0 unless resuming it).
+
+        With a loader that starts there (e.g. a DataLoader over :class:`accum_sched.ResumeSampler`), pass
+        ``skip=False`` to :meth:`micro_batches`: nothing before the resume point is loaded.
+        """
+        return self.micro_in_epoch if epoch == self.epoch_index else 0
 
     def _position(self) -> Position:
         # fp16 overflow steps took no optimizer step, so a step-keyed schedule does not count them (as the LR scheduler)
@@ -251,17 +285,25 @@ class AccumulationEngine:
         dtype = torch.float16 if self.precision == "fp16" else torch.bfloat16
         return torch.autocast(device_type=device, dtype=dtype)
 
-    def micro_batches(self, loader: Iterable, epoch: int | None = None, num_batches: int | None = None) -> Iterator:
+    def micro_batches(self, loader: Iterable, epoch: int | None = None, num_batches: int | None = None, *,
+                      skip: bool = True) -> Iterator:
         """Yield the micro-batches of ``epoch``, each inside the right gradient-sync context.
 
         Call :meth:`backward` once for every batch before asking for the next. ``num_batches`` is needed only
-        for loaders without ``len()``. After a resume (:meth:`load_state_dict`) the first micro-batches already
-        trained are skipped. When :attr:`should_stop` turns True the iteration ends early, at a step boundary.
+        for loaders without ``len()``. When :attr:`should_stop` turns True the iteration ends early (at a step
+        boundary, or inside a window with ``stop_at="micro_batch"``).
+
+        Resuming mid-epoch (after :meth:`load_state_dict`), the first :meth:`resume_offset` micro-batches of the
+        epoch were trained already. ``skip=True`` (default): ``loader`` yields the whole epoch and the engine reads
+        and discards those (simple, but it loads them). ``skip=False``: ``loader`` is positioned already and yields
+        only the rest; its ``len()`` (or ``num_batches``) counts only the rest. The engine never skips twice.
         """
         epoch = self.epoch_index if epoch is None else epoch
         if epoch < self.epoch_index:
             raise ValueError(f"epoch {epoch} was already trained (the engine is at epoch {self.epoch_index})")
         if epoch > self.epoch_index:
+            if self.window_open:
+                raise RuntimeError(f"epoch {self.epoch_index} stopped inside a window; finish it before epoch {epoch}")
             self.epoch_index, self.micro_in_epoch = epoch, 0
         if num_batches is None:
             try:
@@ -269,17 +311,21 @@ class AccumulationEngine:
             except TypeError:
                 raise ValueError("the loader has no len(); pass num_batches= so ranks can agree on the epoch length")
         start = self.micro_in_epoch
+        if not skip:
+            num_batches += start  # the loader yields only what remains
         total = self._agree_epoch(epoch, num_batches, start)
         iterator = iter(loader) if start < total else iter(())
-        for _ in range(start if start < total else 0):  # resume mid-epoch: these micro-batches were trained before the checkpoint
-            next(iterator)
-        consumed = start
+        if skip:
+            for _ in range(start if start < total else 0):  # trained before the checkpoint: loaded and dropped
+                next(iterator)
+        consumed = start if self._win_start is None else self._win_start  # a window left open goes on
+        self._win_start = None
         while consumed < total and not self.should_stop:
             factor = self._factor_for()
             size = min(factor, total - consumed)
             self.factor = factor
             self._prescale = self._window_prescale(size)
-            for j in range(size):
+            for j in range(self.micro_in_epoch - consumed, size):
                 try:
                     batch = next(iterator)
                 except StopIteration:
@@ -294,9 +340,17 @@ class AccumulationEngine:
                     if self._expect_backward:
                         raise RuntimeError("call engine.backward(loss_sum, n_elements) for every micro-batch "
                                            "before taking the next one")
+                self.micro_in_epoch = consumed + j + 1
+                stop = self._stop_poll is not None and self._stop_poll.poll(self._stop_requested)
+                if stop and not boundary:  # every rank stops here; the window stays open for state_dict()
+                    self._win_start = consumed
+                    self.should_stop = True
+                    return
             consumed += size
-            self.micro_in_epoch = consumed
             self._finish_window(epoch, factor, size)
+            self.should_stop = self.should_stop or stop
+        if self._stop_poll is not None:  # no poll left in flight past the epoch (the next thing may be a save)
+            self.should_stop = self._stop_poll.drain() or self.should_stop
         if not self.should_stop:
             self.epoch_index, self.micro_in_epoch = epoch + 1, 0
 
@@ -382,9 +436,10 @@ class AccumulationEngine:
         ])
         self._stats_work = collective.all_sum_async(self._stats)
 
-    def train_epoch(self, loader: Iterable, loss_fn: Callable, epoch: int | None = None) -> None:
-        """Run one epoch: ``loss_fn(model, batch) -> (loss_sum, n_elements)`` on every micro-batch."""
-        for batch in self.micro_batches(loader, epoch):
+    def train_epoch(self, loader: Iterable, loss_fn: Callable, epoch: int | None = None, *, skip: bool = True) -> None:
+        """Run one epoch: ``loss_fn(model, batch) -> (loss_sum, n_elements)`` on every micro-batch (``skip``: see
+        :meth:`micro_batches`)."""
+        for batch in self.micro_batches(loader, epoch, skip=skip):
             with self.autocast():
                 loss_sum, n = loss_fn(self.model, batch)
             self.backward(loss_sum, n)
@@ -479,10 +534,14 @@ class AccumulationEngine:
 
     # -- resume -------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The engine's position and counters (plain ints). Taken between windows only."""
-        if self._expect_backward or self._win_n is not None:
-            raise RuntimeError("engine.state_dict() inside a window: save from an on_step callback or between epochs")
-        return {
+        """The engine's position and counters (plain ints), the same on every rank; taken between windows, or
+        after a stop inside one. Then it also holds ``"window"``: where the open window began, this rank's share
+        of its loss, element and sample counts, and this rank's accumulated (not yet reduced) gradients, so it
+        differs per rank: save every rank's and give each rank its own back."""
+        if self._expect_backward or (self.window_open and not self.should_stop):
+            raise RuntimeError("engine.state_dict() inside a window: save from an on_step callback, between epochs, "
+                               "or after a stop (should_stop)")
+        state = {
             "epoch": self.epoch_index, "micro_batch": self.micro_in_epoch,
             "optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
             "overflow_steps": self.overflow_steps, "micro_batches": self.micro_steps, "elements": self.elements, "samples": self.samples,
@@ -490,6 +549,10 @@ class AccumulationEngine:
             "schedule": [list(m) for m in self.schedule.milestones], "unit": self.schedule.unit,
             "backend": self.backend.state_dict(), **self._noise_state(),
         }
+        if self.window_open:
+            state["window"] = {"start": self._win_start, "loss": float(self._win_loss), "elements": float(self._win_n),
+                               "samples": self._win_samples, "grads": self.backend.local_grads()}
+        return state
 
     def _noise_state(self) -> dict:
         """The noise-scale EMAs and the adaptive controller's decisions (resume repeats them bit for bit)."""
@@ -518,6 +581,13 @@ class AccumulationEngine:
         self.factor = self._factor_for()
         self.should_stop = self._stop_requested = False
         self.backend.load_state_dict(state.get("backend", {}))
+        window = state.get("window")
+        self._win_start = None if window is None else int(window["start"])
+        self._win_loss = None if window is None else torch.tensor(window["loss"], dtype=torch.float64)
+        self._win_n = None if window is None else torch.tensor(window["elements"], dtype=torch.float64)
+        self._win_samples = 0 if window is None else int(window["samples"])
+        if window is not None:
+            self.backend.load_local_grads(window["grads"])
 
     def counters(self) -> dict:
         """Counters for summaries: steps, micro-batches, elements, samples, all-reduce rounds, factor, batch."""
@@ -526,6 +596,38 @@ class AccumulationEngine:
                 "micro_batches": self.micro_steps, "elements": self.elements, "samples": self.samples,
                 "allreduce_rounds": self.allreduce_rounds, "factor": self.factor,
                 "effective_batch": self.effective_batch}
+
+
+class StopPoll:
+    """Agree on a stop flag once per micro-batch without waiting for it: each poll reads the sum started by the
+    previous one and starts the next, so the all-reduce of one number overlaps a whole micro-batch. All ranks see
+    the same sums in the same order, hence stop after the same micro-batch (one after the request reached a rank).
+    In one process the flag is read directly."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.group = collective.side_group() if world_size > 1 else None
+        self._flag: torch.Tensor | None = None
+        self._work = None
+
+    def poll(self, requested: bool) -> bool:
+        if self.world_size == 1:
+            return requested
+        agreed = self.drain()
+        if not agreed:
+            self._flag = torch.tensor([float(requested)], dtype=torch.float64)
+            self._work = collective.all_sum_async(self._flag, group=self.group)
+        return agreed
+
+    def drain(self) -> bool:
+        """Wait for the poll in flight, if any; True if some rank had asked to stop."""
+        if self._flag is None:
+            return False
+        if self._work is not None:
+            self._work.wait()
+        agreed = bool(self._flag.item() > 0)  # a CPU tensor on a gloo group: no device sync
+        self._flag = self._work = None
+        return agreed
 
 
 def _module_device(model) -> torch.device:

@@ -52,6 +52,9 @@ class FSDPBackend(TorchBackend):
     """
 
     averages_over_world = True
+    #: A stop inside a window is not offered (the engine falls back to stopping at the boundary): in boundary mode
+    #: the window's gradient lives in FSDP2's private unsharded accumulation buffers, not in ``.grad``.
+    partial_window_ok = False
 
     def __init__(self, model, optimizer, lr_scheduler=None, scaler=None, gradient_sync: str = "boundary"):
         super().__init__(model, optimizer, lr_scheduler, None)

@@ -118,7 +118,8 @@ def charlm(max_len: int = 64, d_model: int = 64, n_heads: int = 4, n_layers: int
         correct = (model(tokens[:, :-1]).argmax(-1) == targets) & real
         return {"accuracy": (correct.sum(), real.sum())}
 
-    task = {"model": model, "dataset": train, "loss_fn": loss_fn, "collate_fn": pad_batch, "count_fn": count_fn}
+    task = {"model": model, "dataset": train, "loss_fn": loss_fn, "collate_fn": pad_batch, "count_fn": count_fn,
+            "length_fn": lambda sample: len(sample) - 1}  # its targets: every token but the first
     if val is not None:
         task.update(val_dataset=val, metrics_fn=metrics_fn)
     return task

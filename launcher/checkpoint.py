@@ -8,11 +8,13 @@ into the same directory (``ds_engine.save_checkpoint``), and an FSDP2 run its DC
 (launcher/fsdp_setup.py); ``trainer.pt`` then holds no model or optimizer.
 
 When: at every epoch end, every ``checkpoint.every_n_steps`` optimizer steps (from the engine's on_step
-callback), and at the step where ``engine.should_stop`` turns True (preemption). Always between windows: a window's
-partial gradient is never saved, so resuming replays at most the micro-batches of one unfinished window.
+callback), and where ``engine.should_stop`` turns True (preemption). The last may be inside a window (the engine's
+stop_at="micro_batch"): then every rank also writes ``window-rank<R>.pt``, its accumulated local gradient and its
+share of the window's counts, and the resume continues that window.
 
-Resume replays nothing already trained: the engine skips the epoch's micro-batches before the checkpoint, and the
-RNG is put back so that what the resumed run draws equals what the uninterrupted run drew (see `_EpochLoader`).
+Resume loads nothing already trained: the DataLoader's sampler starts at the resume point
+(accum_sched.ResumeSampler, the engine told skip=False), and the RNG is put back so that what the resumed run draws
+equals what the uninterrupted run drew (see `_EpochLoader`).
 On another world size (checkpoint.on_world_change) the rest of an interrupted epoch is re-dealt over the new ranks
 in the same global order, so every sample of that epoch is still trained exactly once.
 
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
+from accum_sched.resume import ResumeSampler
 from launcher import checkpoint_store as store
 from launcher import coordination
 from launcher.errors import ConfigError
@@ -129,40 +132,35 @@ def deal(order: list[int], world: int, rank: int) -> list[int]:
 
 
 class _EpochLoader:
-    """The loader the engine sees for one epoch (len() and iter() only).
+    """The loader the engine sees for one epoch, positioned at the resume point (the engine runs it with
+    skip=False): len() counts the micro-batches left, iter() loads only those.
 
     The DataLoader draws its base seed from the global torch RNG when its iterator is made, so the RNG state just
     before ``iter()`` is recorded: a checkpoint mid-epoch saves it with the current one. Resuming mid-epoch puts
     the epoch-start state back before ``iter()`` (the same base seed, so the same worker seeds) and the checkpoint's
-    state right before the first micro-batch not trained yet is fetched (after the engine has skipped the others).
+    state right after it, before the first micro-batch not trained yet is fetched.
     """
 
-    def __init__(self, owner: "Checkpointer", loader, restore_at: int | None = None, state: dict | None = None):
-        self.owner, self.loader, self.restore_at, self.state = owner, loader, restore_at, state
+    def __init__(self, owner: "Checkpointer", loader, start: int = 0, state: dict | None = None):
+        self.owner, self.loader, self.start, self.state = owner, loader, start, state
+        self.positioned = isinstance(getattr(loader, "sampler", None), ResumeSampler)
+        if self.positioned:
+            loader.sampler.start_at(start * loader.batch_size)
 
     def __len__(self) -> int:
-        return len(self.loader)
+        return len(self.loader) if self.positioned else max(0, len(self.loader) - self.start)
 
     def __iter__(self):
         self.owner._apply_pending_rng()
         self.owner._epoch_start_rng = rng_state(self.owner.device)
-        self.owner._epoch_batches = len(self.loader)
+        self.owner._epoch_batches = self.start + len(self)
         iterator = iter(self.loader)
-        if self.restore_at is None:
-            return iterator
-        return self._replay(iterator)
-
-    def _replay(self, iterator):
-        index = 0
-        while True:
-            if index == self.restore_at:
-                set_rng_state(self.state, self.owner.device)
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            yield batch
-            index += 1
+        if not self.positioned:  # a loader without ResumeSampler: position it the slow way, loading what it skips
+            for _ in range(self.start):
+                next(iterator)
+        if self.state is not None:
+            set_rng_state(self.state, self.owner.device)
+        return iterator
 
 
 class Checkpointer:
@@ -197,11 +195,11 @@ class Checkpointer:
             self._together(f"resuming from {path}", lambda: self._must_see(path, store.MANIFEST))
             self.diffs = self._on_rank0(lambda: store.check_config(path, manifest, cfg))
             self.scale = self._on_rank0(lambda: store.factor_scale(dict(manifest, name=path), cfg, world))
-        self._last_saved = -1
+        self._last_saved: str | None = None  # path of the newest checkpoint of this position
         self._epoch_start_rng: dict | None = None
         self._epoch_batches: int | None = None
         self._pending_rng = None  # applied at the next epoch's iter(): a state dict, or a step to seed from
-        self._replay: tuple[int, int, dict] | None = None  # (epoch, micro-batch, RNG state) of a mid-epoch resume
+        self._replay: tuple[int, dict] | None = None  # (epoch, RNG state) to put back at a mid-epoch resume point
         self._order: tuple[int, list[int]] | None = None  # (epoch, global sample order) re-dealt after a world change
         self._order_loader = None
 
@@ -262,14 +260,7 @@ class Checkpointer:
         none). Rank 0 also cuts metrics.jsonl back to that step and sets newer checkpoints aside."""
         self.trainer = trainer
         if self.found is None:
-            if self.rank == 0:
-                moved = store.supersede(self.root) if self.fresh else None
-                if moved is not None:
-                    aside, old = moved
-                    self._say(f"starting afresh: moved {len(old)} checkpoint(s) of an earlier run to {aside} "
-                              f"(run with --resume to continue a run; delete that folder when not needed)",
-                              sys.stderr)
-                store.truncate_metrics(trainer.run_dir, 0)
+            self._start_afresh(trainer.run_dir)
             return 0
         path, manifest = self.found
         for field, old, new in self.diffs:
@@ -277,18 +268,43 @@ class Checkpointer:
                       sys.stderr)
         state = self._load(os.path.join(path, store.STATE))
         self._load_model(trainer, state, path)
-        engine = trainer.engine
-        engine_state = dict(state["engine"])
+        engine_state = self._resume_position(dict(state["engine"]), state.get("epoch_order"), manifest)
+        if manifest.get("partial_window"):
+            engine_state["window"] = self._load(os.path.join(path, f"window-rank{self.rank}.pt"))["window"]
+        self._load_engine(trainer, state, engine_state)
+        step = int(engine_state["optimizer_steps"])
+        self._plan_rng(state["rng"], engine_state, manifest)
+        self._last_saved = store.step_dir(self.root, step, engine_state["micro_batch"]
+                                          if manifest.get("partial_window") else None)
+        if self.rank == 0:
+            self._tidy_after_resume(trainer.run_dir, path, step)
+            self._say(f"resumed from {path} (step {step}, {self._where(manifest)}; saved by "
+                      f"{manifest['world_size']} workers)")
+        self._barrier()
+        return step
+
+    def _start_afresh(self, run_dir: str) -> None:
+        """No checkpoint to resume: rank 0 moves an earlier run's checkpoints aside and empties metrics.jsonl."""
+        if self.rank != 0:
+            return
+        moved = store.supersede(self.root) if self.fresh else None
+        if moved is not None:
+            aside, old = moved
+            self._say(f"starting afresh: moved {len(old)} checkpoint(s) of an earlier run to {aside} "
+                      f"(run with --resume to continue a run; delete that folder when not needed)", sys.stderr)
+        store.truncate_metrics(run_dir, 0)
+
+    def _resume_position(self, engine_state: dict, order, manifest: dict) -> dict:
+        """The engine position to continue from. On another world size an epoch interrupted mid-way is re-dealt:
+        its samples not trained yet, in the same global order, over the new ranks (self._order)."""
         epoch, micro = int(engine_state["epoch"]), int(engine_state["micro_batch"])
-        batches = int(manifest["batches_per_epoch"])
-        old_world = int(manifest["world_size"])
-        order = state.get("epoch_order")
+        batches, old_world = int(manifest["batches_per_epoch"]), int(manifest["world_size"])
         if old_world != self.world and micro > 0:
             if micro >= batches:  # the epoch was complete: continue with the next one
                 engine_state["epoch"], engine_state["micro_batch"] = epoch + 1, 0
-            else:  # the rest of the epoch, in the same global order, dealt over the new ranks
+            else:
                 if order is None or int(order["epoch"]) != epoch:
-                    full = global_order(trainer.task.dataset, epoch, old_world, self.cfg.data.shuffle,
+                    full = global_order(self.trainer.task.dataset, epoch, old_world, self.cfg.data.shuffle,
                                         self.cfg.run.seed)
                 else:
                     full = order["indices"].tolist()
@@ -296,39 +312,51 @@ class Checkpointer:
                 engine_state["micro_batch"] = 0
         elif order is not None and int(order["epoch"]) == epoch:
             self._order = (epoch, order["indices"].tolist())  # a re-dealt epoch, resumed on the same world
-        engine.load_state_dict(engine_state)
+        return engine_state
+
+    def _load_engine(self, trainer, state: dict, engine_state: dict) -> None:
+        trainer.engine.load_state_dict(engine_state)
         if state.get("last_step"):
             from accum_sched.engine import StepInfo
 
-            engine.last_step = StepInfo.from_dict(state["last_step"])  # flat metrics line -> StepInfo
+            trainer.engine.last_step = StepInfo.from_dict(state["last_step"])  # flat metrics line -> StepInfo
         trainer.sampler.set_epoch(int(state["sampler_epoch"]))
         if getattr(trainer, "validation", None) is not None:
             trainer.validation.load_state_dict(state.get("eval"))
 
-        step = int(engine_state["optimizer_steps"])
-        saved = state["rng"]
+    def _plan_rng(self, saved: list, engine_state: dict, manifest: dict) -> None:
+        """What RNG state this rank starts from: its own saved one (mid-epoch: the epoch-start state before the
+        loader's iter(), then the saved one), or a fresh stream when the world grew and it has none."""
         mine = saved[self.rank] if self.rank < len(saved) else None
+        epoch, micro = int(engine_state["epoch"]), int(engine_state["micro_batch"])
+        same_world = int(manifest["world_size"]) == self.world
         if mine is None:
-            self._pending_rng = step
-        elif old_world == self.world and 0 < micro < batches and mine.get("epoch_start") is not None:
+            self._pending_rng = int(engine_state["optimizer_steps"])
+        elif same_world and 0 < micro < int(manifest["batches_per_epoch"]) and mine.get("epoch_start") is not None:
             self._pending_rng = mine["epoch_start"]
-            self._replay = (epoch, micro, mine["now"])
+            self._replay = (epoch, mine["now"])
         else:
             self._pending_rng = mine["now"]
-        self._last_saved = step
-        if self.rank == 0:
-            for s, p in store.list_checkpoints(self.root):
-                if s > step:  # a future that did not happen (damaged, or the user resumed an older one)
-                    self._say(f"set aside {p} -> {store.set_aside(p)}", sys.stderr)
-            store.truncate_metrics(trainer.run_dir, step)
-            where = f"epoch {engine.epoch_index}, micro-batch {engine.micro_in_epoch}"
-            if self._order is not None and old_world != self.world:
-                where = f"epoch {epoch}: the {len(self._order[1])} samples not trained yet, re-dealt"
-            self._say(f"resumed from {path} (step {step}, {where}; saved by {old_world} workers)")
-        self._barrier()
-        return step
+
+    def _tidy_after_resume(self, run_dir: str, path: str, step: int) -> None:
+        """Rank 0: checkpoints after the one resumed are a future that did not happen (damaged, or the user resumed
+        an older one): set them aside; metrics.jsonl is cut back to ``step``."""
+        mine = store.checkpoint_key(path)
+        for _, p in store.list_checkpoints(self.root):
+            if store.checkpoint_key(p) > mine:
+                self._say(f"set aside {p} -> {store.set_aside(p)}", sys.stderr)
+        store.truncate_metrics(run_dir, step)
+
+    def _where(self, manifest: dict) -> str:
+        engine = self.trainer.engine
+        if self._order is not None and int(manifest["world_size"]) != self.world:
+            return f"epoch {self._order[0]}: the {len(self._order[1])} samples not trained yet, re-dealt"
+        where = f"epoch {engine.epoch_index}, micro-batch {engine.micro_in_epoch}"
+        return where + (" inside a window" if engine.window_open else "")
 
     def _load(self, path: str) -> dict:
+        # Only what we wrote ourselves is loaded here, with weights_only (tensors and plain values); DeepSpeed's
+        # own shards are loaded by DeepSpeed's load_checkpoint (_load_model), under its own rules.
         try:
             # mmap: tensors stay file-backed pages (shared through the page cache by the ranks of a node) until
             # load_state_dict copies them into place, instead of one private copy of the whole file per rank
@@ -368,20 +396,22 @@ class Checkpointer:
             seed_rank(self.cfg.run.seed, self.rank, pending, self.device)
 
     def loader(self, epoch: int, loader):
-        """What the engine should iterate in ``epoch``: ``loader`` itself (wrapped to track the RNG), or the
-        re-dealt rest of an epoch interrupted on another world size."""
+        """What the engine should iterate in ``epoch`` (with skip=False): ``loader`` positioned at the resume point
+        and wrapped to track the RNG, or the re-dealt rest of an epoch interrupted on another world size."""
         if self._order is not None and self._order[0] == epoch:
             if self._order_loader is None:
                 share = deal(self._order[1], self.world, self.rank)
                 self._order_loader = DataLoader(
-                    loader.dataset, batch_size=loader.batch_size, sampler=share, drop_last=loader.drop_last,
-                    num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory)
+                    loader.dataset, batch_size=loader.batch_size, sampler=ResumeSampler(share),
+                    drop_last=loader.drop_last, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                    pin_memory=loader.pin_memory)
             loader = self._order_loader
+        start = self.trainer.engine.resume_offset(epoch)
+        state = None
         if self._replay is not None and self._replay[0] == epoch:
-            _, micro, state = self._replay
+            state = self._replay[1]
             self._replay = None
-            return _EpochLoader(self, loader, micro, state)
-        return _EpochLoader(self, loader)
+        return _EpochLoader(self, loader, start, state)
 
     # -- save ---------------------------------------------------------------------------------------------------
     def on_step(self, info) -> None:
@@ -401,8 +431,8 @@ class Checkpointer:
     def save(self, reason: str) -> str:
         trainer, engine = self.trainer, self.trainer.engine
         step = engine.optimizer_steps
-        final = store.step_dir(self.root, step)
-        if step == self._last_saved:
+        final = store.step_dir(self.root, step, engine.micro_in_epoch if engine.window_open else None)
+        if final == self._last_saved:
             return final
         tmp = final + ".tmp"
         # Three phases, each closed by a gather of every rank's error (if any): a rank that fails to write makes
@@ -418,18 +448,27 @@ class Checkpointer:
         else:
             rngs = [mine]
         engine_state = engine.state_dict()
+        window = engine_state.pop("window", None)  # this rank's open window (a stop inside it): per rank
 
         def write():
+            hashed = {}  # what we write is hashed while it is written: no second read at commit
             if trainer.ds_engine is not None:  # collective: every rank writes its shards under tmp/deepspeed
                 trainer.ds_engine.save_checkpoint(tmp, tag=DS_TAG, save_latest=False)
+            if window is not None:
+                rel = f"window-rank{self.rank}.pt"
+                hashed[rel] = self._write_file(os.path.join(tmp, rel), {"format": store.FORMAT, "rank": self.rank,
+                                                                         "window": window})
             if _fsdp(trainer):  # collective: every rank writes its shards under tmp/fsdp (DCP)
                 from launcher import fsdp_setup
 
                 fsdp_setup.save(trainer.model, trainer.optimizer, os.path.join(tmp, fsdp_setup.DIRNAME))
             if self.rank == 0:
-                self._write_state(os.path.join(tmp, store.STATE), engine_state, rngs)
+                hashed[store.STATE] = self._write_state(os.path.join(tmp, store.STATE), engine_state, rngs)
+            return hashed
 
-        self._together(f"writing {tmp}", write)
+        hashed = {}
+        for entries in self._together(f"writing {tmp}", write):
+            hashed.update(entries or {})
 
         def commit():
             if self.rank != 0:
@@ -442,12 +481,13 @@ class Checkpointer:
                 "micro_batch_size": self.cfg.data.micro_batch_size, "config_hash": self.hash,
                 "config": store.training_config(self.cfg), "reason": reason, "deepspeed": trainer.ds_engine is not None,
                 "skipped_steps": engine.skipped_steps, "created": time.time(),
+                "partial_window": window is not None,
             }
-            store.commit(tmp, final, manifest)
+            store.commit(tmp, final, manifest, hashed)
             store.rotate(self.root, self.keep)
 
         self._together(f"committing {final}", commit)
-        self._last_saved = step
+        self._last_saved = final
         return final
 
     def _must_see(self, path: str, name: str | None = None) -> None:
@@ -467,7 +507,14 @@ class Checkpointer:
             shutil.rmtree(tmp)
         os.makedirs(tmp)
 
-    def _write_state(self, path: str, engine_state: dict, rngs: list) -> None:
+    @staticmethod
+    def _write_file(path: str, state: dict) -> dict:
+        """torch.save ``state`` to ``path``, hashed on the way; returns its manifest entry."""
+        with store.HashingFile(path) as f:
+            torch.save(state, f)
+        return f.entry
+
+    def _write_state(self, path: str, engine_state: dict, rngs: list) -> dict:
         trainer, engine = self.trainer, self.trainer.engine
         state = {
             "format": store.FORMAT, "engine": engine_state, "sampler_epoch": int(trainer.sampler.epoch),
@@ -484,22 +531,21 @@ class Checkpointer:
             scaler = getattr(engine.backend, "scaler", None)
             state.update(model=trainer.model.state_dict(), optimizer=trainer.optimizer.state_dict(),
                          scaler=None if scaler is None else scaler.state_dict())
-        with open(path, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        return self._write_file(path, state)
 
-    def _together(self, what: str, fn) -> None:
-        """Run ``fn`` on this rank, then raise on every rank if it failed on any (doubles as a barrier)."""
+    def _together(self, what: str, fn) -> list:
+        """Run ``fn`` on this rank, then raise on every rank if it failed on any (doubles as a barrier). Returns
+        every rank's result (small: they travel in the same gather as the errors)."""
+        result = error = None
         try:
-            fn()
-            error = None
+            result = fn()
         except Exception as exc:  # noqa: BLE001 -- reported on every rank below
             error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-        errors = [error]
+        gathered = [(error, result)]
         if self._distributed():
-            errors = [None] * self.world
-            dist.all_gather_object(errors, error, group=self.group)
-        failed = [e for e in errors if e]
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, (error, result), group=self.group)
+        failed = [e for e, _ in gathered if e]
         if failed:
             raise CheckpointError(f"checkpoint {what} failed: {'; '.join(failed)}")
+        return [r for _, r in gathered]

@@ -6,7 +6,10 @@ checkpoints.
 
 A checkpoint is a directory ``<checkpoint.dir>/step-<8-digit optimizer step>/`` holding ``trainer.pt`` and, for
 DeepSpeed, the engine's own ``deepspeed/`` files, plus ``manifest.json`` (position, world, config hash and the
-size and sha256 of every file). It is built under ``step-N.tmp`` and renamed into place only when complete, so a
+size and sha256 of every file). One taken inside a window (a preemption) is ``step-NNNNNNNN-mbNNNNNN`` (the
+micro-batch of the epoch it stopped after) and also holds ``window-rank<R>.pt``, each rank's open window. Files we
+write are hashed as they are written (:class:`HashingFile`); only files written by others (DeepSpeed's) are read
+back to hash them. It is built under ``step-N.tmp`` and renamed into place only when complete, so a
 directory named ``step-N`` is either complete or damaged later (truncated, corrupted); a crash mid-write leaves
 ``.tmp``, which discovery ignores.
 """
@@ -25,7 +28,7 @@ from launcher.errors import ConfigError
 FORMAT = 1
 MANIFEST = "manifest.json"
 STATE = "trainer.pt"
-_NAME = re.compile(r"^step-(\d{8,})$")
+_NAME = re.compile(r"^step-(\d{8,})(?:-mb(\d{6,}))?$")
 POLICIES = ("error", "keep_global_batch", "keep_factor")
 
 
@@ -34,8 +37,18 @@ def checkpoint_root(cfg) -> str:
     return cfg.checkpoint.dir or os.path.join(cfg.run.output_dir, "checkpoints")
 
 
-def step_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"step-{step:08d}")
+def step_dir(root: str, step: int, micro_batch: int | None = None) -> str:
+    """``step-N``, or ``step-N-mbM`` for a checkpoint taken inside a window, after micro-batch M of its epoch."""
+    suffix = "" if micro_batch is None else f"-mb{micro_batch:06d}"
+    return os.path.join(root, f"step-{step:08d}{suffix}")
+
+
+def checkpoint_key(path: str) -> tuple[int, int]:
+    """Training order of a checkpoint name: (step, -1 at a boundary, else the micro-batch it stopped after)."""
+    m = _NAME.match(os.path.basename(os.path.normpath(path)))
+    if not m:
+        return (-1, -1)
+    return int(m.group(1)), -1 if m.group(2) is None else int(m.group(2))
 
 
 def list_checkpoints(root: str) -> list[tuple[int, str]]:
@@ -44,10 +57,9 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
         return []
     out = []
     for name in os.listdir(root):
-        m = _NAME.match(name)
-        if m and os.path.isdir(os.path.join(root, name)):
-            out.append((int(m.group(1)), os.path.join(root, name)))
-    return sorted(out)
+        if _NAME.match(name) and os.path.isdir(os.path.join(root, name)):
+            out.append((checkpoint_key(name), os.path.join(root, name)))
+    return [(key[0], path) for key, path in sorted(out)]
 
 
 # -- writing ----------------------------------------------------------------------------------------------------
@@ -69,14 +81,54 @@ def file_digest(path: str) -> str:
     return h.hexdigest()
 
 
-def commit(tmp: str, final: str, manifest: dict) -> None:
-    """Hash every file of ``tmp``, write its manifest, and rename it to ``final`` (atomic, never in place)."""
+class HashingFile:
+    """A file opened for writing that hashes what goes through it: the checkpoint's sha256 costs no second read.
+
+    ``with HashingFile(path) as f: torch.save(state, f)``; then ``f.entry`` is the manifest entry (bytes, sha256).
+    Closing flushes and fsyncs."""
+
+    def __init__(self, path: str):
+        self._file = open(path, "wb")
+        self._hash = hashlib.sha256()
+        self._bytes = 0
+        self.entry: dict | None = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self._hash.update(view)
+        self._bytes += len(view)
+        return self._file.write(view)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def __enter__(self) -> "HashingFile":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        try:
+            if kind is None:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self.entry = {"bytes": self._bytes, "sha256": self._hash.hexdigest()}
+        finally:
+            self._file.close()
+
+
+def commit(tmp: str, final: str, manifest: dict, hashed: dict | None = None) -> None:
+    """Write ``tmp``'s manifest and rename it to ``final`` (atomic, never in place). ``hashed`` maps files of tmp
+    (relative paths) to entries their writers made while writing (:class:`HashingFile`); every other file is read
+    once to hash it (DeepSpeed's own)."""
     files = {}
+    hashed = hashed or {}
     for base, _, names in os.walk(tmp):
         for name in sorted(names):
             path = os.path.join(base, name)
             rel = os.path.relpath(path, tmp)
-            files[rel] = {"bytes": os.path.getsize(path), "sha256": file_digest(path)}
+            if rel in hashed and hashed[rel]["bytes"] == os.path.getsize(path):
+                files[rel] = dict(hashed[rel])
+            else:
+                files[rel] = {"bytes": os.path.getsize(path), "sha256": file_digest(path)}
     manifest = dict(manifest, files=files)
     path = os.path.join(tmp, MANIFEST)
     with open(path, "w", encoding="utf-8") as f:
@@ -290,6 +342,10 @@ def factor_scale(manifest: dict, cfg, world: int) -> tuple[int, int]:
         return num, den
     policy = cfg.checkpoint.on_world_change
     what = f"checkpoint {manifest.get('name', '')} was made by {old} workers, this run has {world}".replace("  ", " ")
+    if manifest.get("partial_window"):
+        raise ConfigError("checkpoint.on_world_change", f"{what}, and it was taken inside an accumulation window "
+                          f"(a preemption): its partial gradients are per worker",
+                          f"resume it with {old} workers, or resume from the checkpoint before it")
     if policy == "error":
         raise ConfigError("checkpoint.on_world_change", f"is 'error' and {what}",
                           f"resume with {old} workers, or set checkpoint.on_world_change: keep_global_batch "

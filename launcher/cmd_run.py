@@ -1,11 +1,14 @@
-"""`accum-sched run CONFIG`: validate, write the resolved config, start the workers through torchrun."""
+"""`accum-sched run CONFIG`: validate, write the resolved config, start the workers through torchrun.
+
+Exit status: torchrun's (0 when training completed); 2 for a bad config (nothing launched); 75 when a SIGTERM
+stopped the run and the workers committed a checkpoint first (continue with --resume; launcher/forward.py)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+import time
 
-from launcher import checkpoint_store
+from launcher import checkpoint_store, forward
 from launcher import env as launch_env
 from launcher.cmd_check import preflight
 from launcher.config import load_config, write_resolved
@@ -76,7 +79,19 @@ def main(args) -> int:
     # torchrun would set 1 thread per worker with a warning; share the cores out instead, unless the user chose.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // dist.nproc_per_node)))
     env.setdefault("PYTHONUNBUFFERED", "1")
-    return subprocess.call(torchrun_argv(plan, worker_args), env=env)
+    began = time.time()
+    status, signals = forward.call(torchrun_argv(plan, worker_args), env)
+    if signals and status == 0 and not _completed_since(run_dir, began):
+        print(f"accum-sched: stopped by signal {signals[0]}: checkpoint committed; continue with "
+              f"`accum-sched run {args.config} --resume` (exit {forward.PREEMPTED_STATUS})", file=sys.stderr)
+        return forward.PREEMPTED_STATUS
+    return status
+
+
+def _completed_since(run_dir: str, began: float) -> bool:
+    """The workers wrote summary.json during this launch: the run finished (a stop leaves none)."""
+    path = os.path.join(run_dir, "summary.json")
+    return os.path.exists(path) and os.path.getmtime(path) >= began - 1
 
 
 def _plain_optimizer(cfg) -> bool:

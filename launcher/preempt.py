@@ -1,5 +1,8 @@
-"""Preemption: SLURM warns a job with a signal (`#SBATCH --signal=USR2@90`, or `scancel --signal=USR2 JOBID`);
-the worker checkpoints at the next optimizer boundary, rank 0 requeues the job, and every rank exits cleanly.
+"""Preemption: SLURM warns a job with a signal (`#SBATCH --signal=USR2@90`, or `scancel --signal=USR2 JOBID`), and
+Kubernetes or a local scheduler sends SIGTERM (`accum-sched run` forwards it to the workers, launcher/forward.py);
+the workers stop within about one micro-batch (the engine's stop_at="micro_batch"; DeepSpeed: at the next optimizer
+boundary), commit a checkpoint holding the open window, rank 0 requeues the job under SLURM, and every rank exits
+with status 0 (so torchrun does not restart the group). A second SIGTERM ends a worker at once.
 
 The signal handler only sets a flag and calls `engine.request_stop()` (itself only a flag): nothing else is safe in
 the middle of a backward pass or a collective. The ranks agree on the stop in the engine's window-end collective,
@@ -43,15 +46,25 @@ class Preemption:
         self._stop: Callable[[], None] | None = None
 
     @classmethod
-    def install(cls, environ: Mapping[str, str] = os.environ) -> Preemption:
+    def install(cls, environ: Mapping[str, str] = os.environ, also: tuple = ()) -> Preemption:
+        """Handle the preemption signal, and the signals in ``also`` (the worker passes SIGTERM) alike."""
         me = cls(preempt_signal(environ))
         signal.signal(me.signum, me._handler)
+        for signum in also:
+            if signum != me.signum:
+                signal.signal(signum, me._handler_once)
         return me
 
     def _handler(self, signum, frame) -> None:
         self.received = True  # only flags here: the handler may run inside a backward pass or a collective
         if self._stop is not None:
             self._stop()
+
+    def _handler_once(self, signum, frame) -> None:
+        """SIGTERM: checkpoint and stop like the preemption signal; a second one ends the process at once (so a
+        torchrun shutting down a failed group, or an impatient user, is not held up)."""
+        signal.signal(signum, signal.SIG_DFL)
+        self._handler(signum, frame)
 
     def attach(self, request_stop: Callable[[], None]) -> None:
         """Route the flag to the engine (`engine.request_stop`), passing on a signal that came before."""

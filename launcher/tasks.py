@@ -1,12 +1,14 @@
 """Tasks: what to train. `task.target` is "module:function" (or "builtin:NAME"), called with `task.args`.
 
 The function returns a mapping or object with ``model`` (nn.Module), ``dataset`` (map-style Dataset),
-``loss_fn(model, batch) -> (loss_sum, n_elements)`` and optionally ``collate_fn``, ``count_fn(batch) ->
-n_elements`` (the same count without a forward pass; needed only to plan LR totals of token-keyed schedules),
-``val_dataset`` (held-out samples, same form as ``dataset``; evaluated as the config's ``eval`` section says, see
-launcher/evaluate.py), ``val_loss_fn`` (default: ``loss_fn``), ``metrics_fn(model, batch) -> {name: (sum, count)}``
-(each metric is reported as sum / count over the whole set) and ``save_fn(state_dict, output_dir)`` (rank 0 writes
-the task's own export of the final weights next to model.pt, e.g. a Hugging Face directory).
+``loss_fn(model, batch) -> (loss_sum, n_elements)`` and optionally ``collate_fn``, ``length_fn(sample) ->
+n_elements`` and ``count_fn(batch) -> n_elements`` (the same count without a forward pass; one of the two is needed
+only to plan LR totals of token-keyed schedules: every sample is counted once, by ``length_fn``, else by ``count_fn``
+of a one-sample batch, so it must add up over samples, as a count of real tokens does), ``val_dataset`` (held-out
+samples, same form as ``dataset``; evaluated as the config's ``eval`` section says, see launcher/evaluate.py),
+``val_loss_fn`` (default: ``loss_fn``), ``metrics_fn(model, batch) -> {name: (sum, count)}`` (each metric is
+reported as sum / count over the whole set) and ``save_fn(state_dict, output_dir)`` (rank 0 writes the task's own
+export of the final weights next to model.pt, e.g. a Hugging Face directory).
 
 `check_target` verifies a target before launch without importing it (so without torch): the module must be
 findable and define the function at top level.
@@ -41,6 +43,7 @@ class Task:
     loss_fn: Callable
     collate_fn: Callable | None = None
     count_fn: Callable | None = None  # batch -> elements (tokens) without a forward; plans token-keyed schedules
+    length_fn: Callable | None = None  # sample -> elements (tokens); preferred by planning over count_fn
     val_dataset: Any = None  # held-out samples (same form as dataset), or None; see launcher/evaluate.py
     val_loss_fn: Callable | None = None  # default: loss_fn
     metrics_fn: Callable | None = None  # (model, batch) -> {name: (sum, count)}
@@ -127,5 +130,5 @@ def build(target: str, args: dict) -> Task:
         raise ConfigError("task.target", f"{target} returned no {', '.join(missing)}",
                           "return a mapping with model, dataset, loss_fn (and optionally collate_fn)")
     return Task(model=get("model"), dataset=get("dataset"), loss_fn=get("loss_fn"), collate_fn=get("collate_fn"),
-                count_fn=get("count_fn"), val_dataset=get("val_dataset"), val_loss_fn=get("val_loss_fn"),
-                metrics_fn=get("metrics_fn"), save_fn=get("save_fn"))
+                count_fn=get("count_fn"), length_fn=get("length_fn"), val_dataset=get("val_dataset"),
+                val_loss_fn=get("val_loss_fn"), metrics_fn=get("metrics_fn"), save_fn=get("save_fn"))

@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import random
+import signal
 import sys
 import time
 import warnings
@@ -22,6 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler
 
 from accum_sched import AccumulationEngine, AccumulationSchedule
+from accum_sched.resume import ResumeSampler
 from launcher import coordination, tasks
 from launcher.checkpoint import Checkpointer
 from launcher.config import Config, load_config
@@ -103,7 +105,7 @@ def plan_total_steps(schedule, loader, sampler, task, cfg: Config, world: int) -
     """Exact optimizer steps of the run, for LR schedulers and progress, under every schedule unit.
 
     Samples per micro-step are known from the sharding (DistributedSampler gives every rank the same count);
-    tokens are counted with the task's ``count_fn`` over every epoch's shards, before training.
+    tokens come from one pass over the dataset, shared by the ranks (launcher/plan.py), then from indices alone.
     """
     batches, epochs, micro = len(loader), cfg.run.epochs, cfg.data.micro_batch_size
     if schedule.unit in ("epoch", "step"):
@@ -112,25 +114,19 @@ def plan_total_steps(schedule, loader, sampler, task, cfg: Config, world: int) -
     if schedule.unit == "samples":
         return schedule.optimizer_steps(batches, epochs,
                                         samples_per_micro_step=lambda e, i: world * min(micro, per_rank - i * micro))
-    if task.count_fn is None:
+    if task.count_fn is None and task.length_fn is None:
         if cfg.lr_scheduler is None:
             return 0  # nothing needs the total; progress shows steps without one
-        raise ConfigError("accumulation.unit", "tokens-keyed schedules need the task's count_fn to plan LR "
-                                "totals", "return count_fn(batch) -> tokens from the task, or set lr_scheduler: null")
-    counts = {}
-    for epoch in range(epochs):
-        per_step = [0] * batches
-        for rank in range(world):
-            shard = DistributedSampler(task.dataset, num_replicas=world, rank=rank, shuffle=cfg.data.shuffle,
-                                       seed=cfg.run.seed, drop_last=False)
-            shard.set_epoch(epoch)
-            indices = list(shard)
-            for i in range(batches):
-                items = [task.dataset[j] for j in indices[i * micro:(i + 1) * micro]]
-                batch = (task.collate_fn or torch.utils.data.default_collate)(items)
-                per_step[i] += int(task.count_fn(batch))
-        counts[epoch] = per_step
-    return schedule.optimizer_steps(batches, epochs, tokens_per_micro_step=lambda e, i: counts[e][i])
+        raise ConfigError("accumulation.unit", "tokens-keyed schedules need the task's length_fn or count_fn to "
+                          "plan LR totals", "return length_fn(sample) -> tokens (or count_fn(batch)) from the task, "
+                          "or set lr_scheduler: null")
+    from launcher import plan
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    counts = plan.sample_counts(task, rank, world)
+    per_step = plan.micro_step_counts(counts, task.dataset, epochs, world, micro, batches, cfg.data.shuffle,
+                                      cfg.run.seed)
+    return schedule.optimizer_steps(batches, epochs, tokens_per_micro_step=lambda e, i: per_step[e][i])
 
 
 class Trainer:
@@ -145,7 +141,9 @@ class Trainer:
         self.task = tasks.build(cfg.task.target, cfg.task.args)
         self.sampler = DistributedSampler(self.task.dataset, num_replicas=self.world, rank=self.rank,
                                           shuffle=cfg.data.shuffle, seed=cfg.run.seed, drop_last=False)
-        self.loader = DataLoader(self.task.dataset, batch_size=cfg.data.micro_batch_size, sampler=self.sampler,
+        # ResumeSampler: a resume starts the loader at the resume point (only indices are skipped; engine skip=False)
+        self.loader = DataLoader(self.task.dataset, batch_size=cfg.data.micro_batch_size,
+                                 sampler=ResumeSampler(self.sampler),
                                  drop_last=cfg.data.drop_last, num_workers=cfg.data.num_workers,
                                  collate_fn=self.task.collate_fn, pin_memory=device.type == "cuda")
         # finds the checkpoint to resume (rank 0 reads, all agree); its world size may rescale the schedule
@@ -188,6 +186,7 @@ class Trainer:
             max_grad_norm=cfg.optimizer.max_grad_norm, normalize=acc.normalize, uneven=acc.uneven,
             nonfinite=acc.nonfinite, precision=cfg.run.precision, micro_batch_size=cfg.data.micro_batch_size,
             lr_coupling=acc.lr_coupling, noise_scale=acc.noise_scale, adaptive=self.adaptive,
+            stop_at="micro_batch",  # preemption answered within ~1 micro-batch (DeepSpeed, noise scale: boundary)
             gradient_sync=cfg.distributed.fsdp["gradient_sync"] if self.fsdp else "boundary")
         self.metrics = None
         self.progress = None
@@ -253,7 +252,7 @@ class Trainer:
         for epoch in range(self.engine.epoch_index, cfg.run.epochs if not self.early_stopped else 0):
             began = time.time()
             self.sampler.set_epoch(epoch)
-            self.engine.train_epoch(self.checkpointer.loader(epoch, self.loader), self.loss_fn, epoch)
+            self.engine.train_epoch(self.checkpointer.loader(epoch, self.loader), self.loss_fn, epoch, skip=False)
             if self.engine.should_stop:
                 break
             if self.validation is not None and self.validation.due_after_epoch(epoch, self.engine.optimizer_steps):
@@ -269,14 +268,19 @@ class Trainer:
         self.finish()
 
     def stop_for_preemption(self) -> None:
-        """The ranks agreed to stop after this step (a preemption signal, launcher/preempt.py): its checkpoint is
-        on disk (checkpointer.on_step saved it), so rank 0 requeues the SLURM job, which resumes by itself."""
-        self.checkpointer.save_now("preempt")  # a no-op when this step is saved already
+        """The ranks agreed to stop after this micro-batch (a preemption signal, launcher/preempt.py): commit its
+        checkpoint (with the open window, if inside one), then rank 0 requeues the SLURM job, which resumes by
+        itself. The worker then exits 0: a preempted run is not a failed one (torchrun would restart it)."""
+        path = self.checkpointer.save_now("preempt")  # a no-op when this step is saved already (on_step)
         if self.rank != 0:
             return
         self.metrics.close()
-        done = "job requeued" if requeue() else "not requeued"
-        print(f"accum-sched: preempted at step {self.engine.optimizer_steps}: checkpoint saved, {done}", flush=True)
+        inside = f"; inside a window, after micro-batch {self.engine.micro_in_epoch} of epoch " \
+                 f"{self.engine.epoch_index}" if self.engine.window_open else ""
+        # Said before the requeue: SLURM may end this job step as soon as scontrol requeue returns.
+        print(f"accum-sched: preempted at step {self.engine.optimizer_steps}: checkpoint saved "
+              f"({path}{inside})", flush=True)
+        print(f"accum-sched: {'job requeued' if requeue() else 'not requeued'}", flush=True)
 
     def final_state_dict(self) -> dict | None:
         if self.ds_engine is not None:
@@ -336,7 +340,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     # First thing: SLURM's preemption warning may come while the task and model are still being built.
-    preemption = Preemption.install()
+    preemption = Preemption.install(also=(signal.SIGTERM,))
     cfg = load_config(args.config)
     launch = detect_launch()
     if launch.source != "single":
