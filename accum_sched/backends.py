@@ -250,12 +250,24 @@ def is_deepspeed_engine(model) -> bool:
     return type(model).__name__ == "DeepSpeedEngine" or hasattr(model, "set_gradient_accumulation_boundary")
 
 
-def make_backend(model, optimizer=None, lr_scheduler=None, scaler=None, count_allreduce: bool = True):
-    """Pick the back end for ``model``: a DeepSpeed engine, a DDP module, or a plain module in one process."""
+def make_backend(model, optimizer=None, lr_scheduler=None, scaler=None, count_allreduce: bool = True,
+                 gradient_sync: str = "boundary"):
+    """Pick the back end for ``model``: a DeepSpeed engine, an FSDP2 root, a DDP module, or a plain module in one
+    process. ``gradient_sync`` (FSDP2 only): ``"boundary"`` or ``"every_micro_batch"``."""
     if is_deepspeed_engine(model):
         from accum_sched.deepspeed_backend import DeepSpeedBackend
 
         return DeepSpeedBackend(model, optimizer=optimizer, lr_scheduler=lr_scheduler)
+    fsdp = _fsdp_module_class()
+    if fsdp is not None and isinstance(model, fsdp):
+        from accum_sched.fsdp_backend import FSDPBackend
+
+        return FSDPBackend(model, optimizer, lr_scheduler, scaler, gradient_sync=gradient_sync)
+    if gradient_sync != "boundary":
+        raise ValueError(f"gradient_sync={gradient_sync!r} applies to FSDP2 models only (fully_shard)")
+    if fsdp is not None and any(isinstance(m, fsdp) for m in model.modules()):
+        raise ValueError("fully_shard was applied to submodules but not to the model handed to the engine; apply "
+                         "it to the root too (fully_shard(model)) after its blocks")
     if isinstance(model, DistributedDataParallel):
         return DDPBackend(model, optimizer, lr_scheduler, scaler, count_allreduce)
     if collective.world_size() > 1:
@@ -263,3 +275,11 @@ def make_backend(model, optimizer=None, lr_scheduler=None, scaler=None, count_al
                          f"DistributedDataParallel, so gradients would never meet; wrap it: "
                          f"DistributedDataParallel(model)")
     return TorchBackend(model, optimizer, lr_scheduler, scaler)
+
+
+def _fsdp_module_class():
+    """torch's FSDPModule if FSDP2 is in use (its module imported); never imports it for DDP or one process."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.fsdp")
+    return None if module is None else getattr(module, "FSDPModule", None)

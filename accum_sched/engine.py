@@ -103,7 +103,8 @@ class AccumulationEngine:
     """Drives scheduled gradient accumulation for a plain module, a DDP module or a DeepSpeed engine.
 
     Args:
-        model: ``nn.Module`` (one process), ``DistributedDataParallel``, or a ``DeepSpeedEngine``.
+        model: ``nn.Module`` (one process), ``DistributedDataParallel``, a module ``fully_shard`` was applied to
+            (FSDP2), or a ``DeepSpeedEngine``.
         optimizer: a torch optimizer (None for a DeepSpeed engine, which owns its own).
         schedule: anything :class:`AccumulationSchedule` accepts (mapping, ``"0:1,5:2"``, int) or a schedule.
         lr_scheduler: stepped once per optimizer step (so its totals are :meth:`AccumulationSchedule.optimizer_steps`).
@@ -143,13 +144,16 @@ class AccumulationEngine:
             comm hook as each bucket arrives; elsewhere it is one fused pass over the gradients. Default None: a
             hand-written loop takes no norm either; the launcher passes ``logging.log_every``. Set 1 to check every
             step's gradient for NaN/inf and report its norm.
+        gradient_sync: FSDP2 models only: ``"boundary"`` (default; one reduce-scatter per optimizer step, unsharded
+            gradients held inside the window) or ``"every_micro_batch"`` (reduce-scatter each micro-batch into
+            sharded gradients; less memory, more traffic). See accum_sched/fsdp_backend.py.
     """
 
     def __init__(self, model, optimizer=None, schedule=1, *, lr_scheduler=None, max_grad_norm: float | None = None,
                  normalize: str = "elements", uneven: str = "truncate", nonfinite: str = "skip",
                  precision: str = "fp32", micro_batch_size: int | None = None, count_allreduce: bool = True,
                  lr_coupling: str = "none", noise_scale: bool = False, adaptive=None, stop_at: str = "boundary",
-                 norm_every: int | None = None):
+                 norm_every: int | None = None, gradient_sync: str = "boundary"):
         for name, value, allowed in (("normalize", normalize, NORMALIZE), ("uneven", uneven, UNEVEN),
                                      ("nonfinite", nonfinite, NONFINITE), ("precision", precision, PRECISION),
                                      ("lr_coupling", lr_coupling, LR_COUPLING), ("stop_at", stop_at, STOP_AT)):
@@ -180,7 +184,7 @@ class AccumulationEngine:
         scaler = None
         if precision == "fp16" and not is_deepspeed_engine(model):  # DeepSpeed's fp16 brings its own loss scaler
             scaler = torch.amp.GradScaler(_module_device(model).type)  # "cpu" works too (torch >= 2.3)
-        self.backend = make_backend(model, optimizer, lr_scheduler, scaler, count_allreduce)
+        self.backend = make_backend(model, optimizer, lr_scheduler, scaler, count_allreduce, gradient_sync)
         self.world_size = self.backend.world_size
         self.callbacks: list[Callable[[StepInfo], None]] = []
         self.noise = self._make_noise() if noise_scale else None
@@ -273,6 +277,8 @@ class AccumulationEngine:
 
         if self.normalize != "elements":
             raise ValueError("noise_scale needs normalize='elements' (the estimator works on per-element means)")
+        if type(self.backend).__name__ == "FSDPBackend":  # its probes read DDP buckets or whole local gradients
+            raise ValueError("noise_scale / adaptive are not measured with FSDP2 yet; use DDP or DeepSpeed ZeRO-0")
         if self.precision == "fp16":
             raise ValueError("noise_scale is not measured under fp16 (loss-scaled local gradients); use bf16 or fp32")
         if self.adaptive is not None and self.world_size == 1 and self.adaptive.min_factor < 2:

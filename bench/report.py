@@ -154,3 +154,66 @@ def verdicts(summary: dict, engine: str, baseline: str, peers: tuple[str, ...]) 
         out.append(f"{'MET   ' if not row['imported_deepspeed'] else 'MISSED'} engine: deepspeed not imported "
                    f"by a DDP run")
     return out
+
+
+def _collectives_per_step(rep: list[dict], epochs: list[int]) -> dict | None:
+    stats = [rep[0]["epochs"][str(e)] for e in epochs]
+    if any(s.get("collectives") is None for s in stats):
+        return None
+    steps = sum(s["steps"] for s in stats)
+    return {k: sum(s["collectives"][k] for s in stats) / steps for k in stats[0]["collectives"]}
+
+
+def summarise_pairs(workload, records: dict, pairs) -> dict:
+    """FSDP2 rows: each engine row against its own hand-written loop (same round), with collectives per step."""
+    samples_per_epoch = workload.micro * workload.batches * workload.world
+    by_factor: dict[int, list[int]] = {}
+    for epoch, factor in workload.timed_epochs():
+        by_factor.setdefault(factor, []).append(epoch)
+    out = {}
+    for engine, hand in pairs:
+        for name in (engine, hand):
+            reps = records.get(name, {})
+            if not reps:
+                continue
+            base = records.get(hand, {})
+            rows = {}
+            for factor, epochs in by_factor.items():
+                paired = [i for i in sorted(reps) if i in base]
+                rows[factor] = {
+                    "ratio": [throughput(reps[i], epochs, samples_per_epoch) /
+                              throughput(base[i], epochs, samples_per_epoch) for i in paired],
+                    "samples_per_s": [throughput(reps[i], epochs, samples_per_epoch) for i in sorted(reps)],
+                    "collectives": _collectives_per_step(reps[min(reps)], epochs)}
+            out[name] = {"factors": rows, "baseline": hand,
+                         "rss_mb_per_rank": [statistics.median(reps[i][k]["peak_rss_mb"] for i in reps)
+                                             for k in range(len(reps[min(reps)]))]}
+    return out
+
+
+def render_pairs(summary: dict, variants: dict) -> str:
+    head = ["variant", "factor", "samples/s x hand-written FSDP2", "samples/s", "all-gathers/step",
+            "reduce-scatters/step", "all-reduces/step", "MB moved/step", "peak RSS MB rank0/rank1"]
+    rows = []
+    for name, row in summary.items():
+        for factor, r in row["factors"].items():
+            c = r["collectives"] or {}
+            rows.append([variants[name].label, str(factor), _fmt_spread(r["ratio"]),
+                         f"{statistics.median(r['samples_per_s']):.0f}",
+                         *(f"{c[k]:.1f}" if k in c else "n/a" for k in ("all_gather", "reduce_scatter", "all_reduce")),
+                         f"{c['bytes'] / 2**20:.2f}" if "bytes" in c else "n/a",
+                         "/".join(f"{v:.0f}" for v in row["rss_mb_per_rank"])])
+    return "FSDP2 rows (each against the hand-written FSDP2 loop of the same sync mode and round)\n" + _table(head, rows)
+
+
+def pair_verdicts(summary: dict, pairs) -> list[str]:
+    out = []
+    for engine, hand in pairs:
+        if engine not in summary or hand not in summary:
+            continue
+        for factor, r in summary[engine]["factors"].items():
+            if r["ratio"]:
+                ratio = statistics.median(r["ratio"])
+                out.append(f"{'MET   ' if ratio >= 0.98 else 'MISSED'} factor {factor}: {engine} at {ratio:.3f}x "
+                           f"the hand-written FSDP2 loop's samples/s (target >= 0.98)")
+    return out

@@ -30,12 +30,15 @@ sys.path.insert(0, HERE)
 
 import report  # noqa: E402  (bench/ is not a package; these are its siblings)
 import startup  # noqa: E402
-from variants import BASELINE, VARIANTS  # noqa: E402  (imports torch: only for the tensors it passes around)
+from variants import BASELINE, FSDP_PAIRS, VARIANTS  # noqa: E402  (imports torch: only for the tensors it passes around)
 from workload import Workload, param_count, reference  # noqa: E402
 
 # Epoch lengths leave partial windows at factors 4 and 8 (62 = 8*7 + 6, 190 = 8*23 + 6, 30 = 8*3 + 6).
 QUICK = [Workload(model="1M", batches=62, epochs_per_factor=2)]
 SMOKE = [Workload(model="1M", batches=14, factors=(1, 4), epochs_per_factor=1)]
+# --fsdp: the FSDP2 rows in a few minutes: throughput on 1M, memory on 20M (30 = 4*7 + 2: a partial window)
+FSDP = [Workload(model="1M", batches=30, factors=(1, 4), epochs_per_factor=1),
+        Workload(model="20M", batches=10, factors=(1, 4), epochs_per_factor=1)]
 FULL = [Workload(model="1M", batches=190, epochs_per_factor=3), Workload(model="20M", batches=30, epochs_per_factor=2)]
 
 
@@ -100,6 +103,7 @@ def versions() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="1M model, shorter epochs: a few minutes")
+    parser.add_argument("--fsdp", action="store_true", help="short FSDP2-sized workloads (1M and 20M, factors 1 and 4)")
     parser.add_argument("--smoke", action="store_true", help="a tiny end-to-end check of the pipeline (numbers "
                         "meaningless)")
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     if BASELINE not in names:
         names.insert(0, BASELINE)  # every ratio is relative to it
-    workloads = SMOKE if args.smoke else QUICK if args.quick else FULL
+    workloads = SMOKE if args.smoke else FSDP if args.fsdp else QUICK if args.quick else FULL
     if args.models:
         pool = workloads + FULL
         wanted = [m for m in dict.fromkeys(args.models.split(",")) if m]
@@ -172,6 +176,13 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + text, flush=True)
         verdict_lines += [f"[{w.model}] {line}" for line in report.verdicts(
             summary, "engine", BASELINE, ("lightning", "accelerate"))]
+        pairs = report.summarise_pairs(w, records, FSDP_PAIRS)
+        if pairs:
+            results[w.model]["fsdp"] = pairs
+            text = report.render_pairs(pairs, VARIANTS)
+            texts.append(text)
+            print("\n" + text, flush=True)
+            verdict_lines += [f"[{w.model}] {line}" for line in report.pair_verdicts(pairs, FSDP_PAIRS[:2])]
 
     if not args.no_startup:
         print("\nstart-up (fresh interpreters, medians of 3):", flush=True)

@@ -205,3 +205,11 @@ from variants_deepspeed import variants as _deepspeed_variants  # noqa: E402
 
 DEEPSPEED_VARIANTS: dict[str, Variant] = _deepspeed_variants(Variant)
 VARIANTS.update(DEEPSPEED_VARIANTS)
+
+# FSDP2 rows (issue 11): the engine's FSDP2 back end next to a hand-written FSDP2 loop, both gradient-sync modes;
+# collectives counted in torch.distributed (all-gathers, reduce-scatters, all-reduces).
+from variants_fsdp import variants as _fsdp_variants  # noqa: E402
+
+FSDP_VARIANTS: dict[str, Variant] = _fsdp_variants(Variant)
+VARIANTS.update(FSDP_VARIANTS)
+FSDP_PAIRS = (("fsdp-b", "fsdp-b-hand"), ("fsdp-e", "fsdp-e-hand"), ("fsdp-b-keep", "fsdp-b-hand"))  # (engine row, its hand-written baseline)

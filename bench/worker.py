@@ -24,6 +24,7 @@ class Recorder:
         self.first_step_s: float | None = None
         self.epochs: dict[int, dict] = {}
         self.counts = lambda: (None, None)  # (all-reduce rounds, bytes) so far; set by the variant
+        self.collectives = lambda: None  # {kind: calls, "bytes": ...} so far, where a variant counts them (FSDP2)
         self._open = None
 
     def step(self) -> None:
@@ -32,10 +33,11 @@ class Recorder:
             self.first_step_s = time.time() - LAUNCHED_AT
 
     def epoch_start(self, epoch: int) -> None:
-        self._open = (time.perf_counter(), time.process_time(), self.steps, self.counts())
+        self._open = (time.perf_counter(), time.process_time(), self.steps, self.counts(), self.collectives())
 
     def epoch_end(self, epoch: int) -> None:
-        start, cpu_start, steps, (rounds, nbytes) = self._open
+        start, cpu_start, steps, (rounds, nbytes), before = self._open
+        after = self.collectives()
         seconds = time.perf_counter() - start
         now_rounds, now_bytes = self.counts()
         self.epochs[epoch] = {
@@ -43,6 +45,7 @@ class Recorder:
             "seconds": seconds, "cpu_seconds": time.process_time() - cpu_start, "steps": self.steps - steps,
             "rounds": None if rounds is None or now_rounds is None else now_rounds - rounds,
             "bytes": None if nbytes is None or now_bytes is None else now_bytes - nbytes,
+            "collectives": None if after is None else {k: after[k] - before[k] for k in after},
         }
 
 

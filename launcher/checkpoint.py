@@ -4,7 +4,8 @@ What a checkpoint holds (``trainer.pt``, written by rank 0, loadable with ``torc
 tensors and plain Python values): model, optimizer, LR scheduler, GradScaler, ``engine.state_dict()`` (epoch,
 micro-batch within it, counters), the sampler epoch, the last StepInfo, and every rank's RNG states (torch, numpy,
 python, CUDA), gathered to rank 0 so one file holds them all. A DeepSpeed engine writes its own per-rank files
-into the same directory (``ds_engine.save_checkpoint``); ``trainer.pt`` then holds no model or optimizer.
+into the same directory (``ds_engine.save_checkpoint``), and an FSDP2 run its DCP shards under ``fsdp/``
+(launcher/fsdp_setup.py); ``trainer.pt`` then holds no model or optimizer.
 
 When: at every epoch end, every ``checkpoint.every_n_steps`` optimizer steps (from the engine's on_step
 callback), and where ``engine.should_stop`` turns True (preemption). The last may be inside a window (the engine's
@@ -38,6 +39,10 @@ from launcher import coordination
 from launcher.errors import ConfigError
 
 DS_TAG = "deepspeed"
+
+
+def _fsdp(trainer) -> bool:
+    return trainer.cfg.distributed.backend == "fsdp"
 
 
 class CheckpointError(RuntimeError):
@@ -366,6 +371,13 @@ class Checkpointer:
                                                           load_lr_scheduler_states=True)
             if loaded is None:
                 raise CheckpointError(f"{os.path.join(path, DS_TAG)}: DeepSpeed could not load it")
+        elif _fsdp(trainer):  # DCP reads the shards, resharded for this world size
+            from launcher import fsdp_setup
+
+            try:
+                fsdp_setup.load(trainer.model, trainer.optimizer, os.path.join(path, fsdp_setup.DIRNAME))
+            except Exception as exc:  # noqa: BLE001 -- name the checkpoint on every rank
+                raise CheckpointError(f"{path}: FSDP2 shards cannot be loaded ({type(exc).__name__}: {exc})") from exc
         else:
             trainer.model.load_state_dict(state["model"])
             trainer.optimizer.load_state_dict(state["optimizer"])
@@ -446,6 +458,10 @@ class Checkpointer:
                 rel = f"window-rank{self.rank}.pt"
                 hashed[rel] = self._write_file(os.path.join(tmp, rel), {"format": store.FORMAT, "rank": self.rank,
                                                                          "window": window})
+            if _fsdp(trainer):  # collective: every rank writes its shards under tmp/fsdp (DCP)
+                from launcher import fsdp_setup
+
+                fsdp_setup.save(trainer.model, trainer.optimizer, os.path.join(tmp, fsdp_setup.DIRNAME))
             if self.rank == 0:
                 hashed[store.STATE] = self._write_state(os.path.join(tmp, store.STATE), engine_state, rngs)
             return hashed
@@ -511,7 +527,7 @@ class Checkpointer:
             state["eval"] = validation.state_dict()
         if self._order is not None and self._order[0] == engine.epoch_index:
             state["epoch_order"] = {"epoch": self._order[0], "indices": torch.tensor(self._order[1])}
-        if trainer.ds_engine is None:  # DeepSpeed keeps module and (sharded) optimizer in its own files
+        if trainer.ds_engine is None and not _fsdp(trainer):  # DeepSpeed / FSDP2 keep sharded files of their own
             scaler = getattr(engine.backend, "scaler", None)
             state.update(model=trainer.model.state_dict(), optimizer=trainer.optimizer.state_dict(),
                          scaler=None if scaler is None else scaler.state_dict())

@@ -267,6 +267,9 @@ def training_config(cfg) -> dict:
         "lr_scheduler": d["lr_scheduler"],
         "distributed": {k: d["distributed"][k] for k in ("backend", "deepspeed_config")},
     }
+    if d["distributed"]["backend"] == "fsdp":  # mixed precision changes the numbers; sync mode, wrapping, offload
+        fsdp = d["distributed"]["fsdp"]  # do not (an OOM may be answered by resuming with every_micro_batch)
+        sub["distributed"]["fsdp"] = {k: fsdp[k] for k in ("param_dtype", "reduce_dtype")}
     return json.loads(json.dumps(sub, sort_keys=True, default=str))
 
 

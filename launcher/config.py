@@ -22,12 +22,13 @@ REQUIRED = object()
 
 @dataclass(frozen=True)
 class Field:
-    kind: str  # int, float, str, bool, mapping, schedule, any, list
+    kind: str  # int, float, str, bool, mapping, schedule, any, list, section (a nested mapping with its own schema)
     default: Any = REQUIRED
     choices: tuple | None = None
     nullable: bool = False
     check: Callable[[Any], str | None] | None = None  # returns a problem ("must be >= 1") or None
     hint: str = ""
+    schema: dict | None = None  # kind "section": the nested keys, validated like a section's (a.b.c paths)
 
 
 def _at_least(low):
@@ -50,6 +51,27 @@ def _name_or_path(known):
             return None
         return f"{value!r} is not one of {', '.join(known)} nor an import path"
     return check
+
+
+def _wrap_value(v):
+    if v == "auto":
+        return None
+    if isinstance(v, list) and v and all(isinstance(c, str) and c.strip() for c in v):
+        return None
+    return f"expected 'auto' or a non-empty list of module class names, got {v!r}"
+
+
+DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+# distributed.fsdp (backend: fsdp; launcher/fsdp_setup.py applies them)
+FSDP_SCHEMA: dict[str, Field] = {
+    "gradient_sync": Field("str", "boundary", choices=("boundary", "every_micro_batch")),
+    # module class names to fully_shard one by one before the root, or auto: the model's _no_split_modules
+    "wrap": Field("any", "auto", check=_wrap_value, hint="write auto or e.g. [GPT2Block]"),
+    "reshard_after_forward": Field("bool", True),
+    "param_dtype": Field("str", None, nullable=True, choices=DTYPES),
+    "reduce_dtype": Field("str", None, nullable=True, choices=DTYPES),
+    "cpu_offload": Field("bool", False),
+}
 
 
 SCHEMA: dict[str, dict[str, Field]] = {
@@ -112,7 +134,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "early_stop": Field("any", None, nullable=True),
     },
     "distributed": {
-        "backend": Field("str", "ddp", choices=("ddp", "deepspeed")),
+        "backend": Field("str", "ddp", choices=("ddp", "deepspeed", "fsdp")),
         "nproc_per_node": Field("int", 1, check=_at_least(1)),
         "nnodes": Field("int", 1, check=_at_least(1)),
         "process_group": Field("str", "auto", choices=("auto", "gloo", "nccl")),
@@ -120,6 +142,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "timeout_s": Field("int", 600, check=_at_least(10)),
         "max_restarts": Field("int", 0, check=_at_least(0)),
         "deepspeed_config": Field("any", None, nullable=True),
+        "fsdp": Field("section", {k: f.default for k, f in FSDP_SCHEMA.items()}, schema=FSDP_SCHEMA),
     },
     "checkpoint": {
         "every_n_steps": Field("int", None, nullable=True, check=_at_least(1)),
@@ -232,6 +255,8 @@ def _coerce(path: str, field: Field, value):
     kind = field.kind
     if kind == "schedule":
         return _schedule_value(path, value)
+    if kind == "section":
+        return _section_value(path, field.schema, value)
     if kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(path, f"expected an integer, got {value!r}", field.hint or "write a whole number")
@@ -262,6 +287,16 @@ def _coerce(path: str, field: Field, value):
         if problem:
             raise ConfigError(path, problem, field.hint or "change the value")
     return value
+
+
+def _section_value(path: str, schema: dict, value) -> dict:
+    """A nested mapping checked key by key against ``schema`` (errors name ``path.key``); defaults filled in."""
+    if not isinstance(value, dict):
+        raise ConfigError(path, f"expected a mapping, got {value!r}", f"write e.g. {{{next(iter(schema))}: ...}}")
+    for key in value:
+        if key not in schema:
+            raise ConfigError(f"{path}.{key}", "unknown key", _did_you_mean(str(key), schema))
+    return {key: _coerce(f"{path}.{key}", f, value[key]) if key in value else f.default for key, f in schema.items()}
 
 
 def _schedule_value(path: str, value):
@@ -305,7 +340,7 @@ def validate(raw: dict) -> Config:
             elif field.default is REQUIRED:
                 raise ConfigError(path, "is required", field.hint or f"add '{key}:' under '{name}:'")
             else:
-                values[key] = field.default
+                values[key] = dict(field.default) if field.kind == "section" else field.default
         sections[name] = values
     cfg = Config(sections)
     _cross_check(cfg)
@@ -330,6 +365,16 @@ def _cross_check(cfg: Config) -> None:
     if ":" not in target or not all(target.split(":", 1)):
         raise ConfigError("task.target", f"{target!r} is not 'module:function'",
                           "write e.g. 'mypackage.tasks:make_task' or 'builtin:regression'")
+    fsdp_defaults = SCHEMA["distributed"]["fsdp"].default
+    if cfg.distributed.backend != "fsdp" and cfg.distributed.fsdp != fsdp_defaults:
+        raise ConfigError("distributed.fsdp", f"is set but distributed.backend is {cfg.distributed.backend}",
+                          "set distributed.backend: fsdp, or remove distributed.fsdp")
+    if cfg.distributed.backend == "fsdp" and (cfg.accumulation.noise_scale or cfg.accumulation.adaptive is not None):
+        field = "accumulation.noise_scale" if cfg.accumulation.noise_scale else "accumulation.adaptive"
+        raise ConfigError(field, "is not measured with backend: fsdp yet", "use backend ddp, or remove it")
+    if cfg.distributed.backend == "fsdp" and cfg.run.precision == "fp16":
+        raise ConfigError("run.precision", "fp16 is not supported with backend: fsdp (GradScaler would find "
+                          "overflows per shard, so ranks could disagree)", "use bf16, or distributed.fsdp.param_dtype")
     if cfg.distributed.backend == "deepspeed" and cfg.distributed.deepspeed_config is None:
         raise ConfigError("distributed.deepspeed_config", "is required with backend: deepspeed",
                           "give the path of a DeepSpeed JSON file or an inline mapping")
@@ -405,22 +450,34 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             raise ConfigError("--set", f"{item!r} is not key=value", "write e.g. --set optimizer.lr=0.01")
         key, text = item.split("=", 1)
         parts = key.strip().split(".")
-        if len(parts) != 2:
+        nested = len(parts) == 3 and parts[0] in SCHEMA and SCHEMA[parts[0]].get(parts[1]) is not None \
+            and SCHEMA[parts[0]][parts[1]].kind == "section"
+        if len(parts) != 2 and not nested:
             raise ConfigError("--set", f"{key!r} is not section.key", "write e.g. --set data.micro_batch_size=32")
-        section, name = parts
+        section, name = parts[:2]
         if section not in SCHEMA:
             raise ConfigError(section, "unknown section", _did_you_mean(section, SCHEMA))
         if name not in SCHEMA[section]:
             raise ConfigError(key, "unknown key", _did_you_mean(name, SCHEMA[section]))
+        if nested:
+            schema = SCHEMA[section][name].schema
+            if parts[2] not in schema:
+                raise ConfigError(key, "unknown key", _did_you_mean(parts[2], schema))
         try:
             value = yaml.safe_load(text) if text.strip() else ""
         except yaml.YAMLError:
             value = text
-        if SCHEMA[section][name].kind == "str" and not isinstance(value, str) and value is not None:
+        field = SCHEMA[section][name].schema[parts[2]] if nested else SCHEMA[section][name]
+        if field.kind == "str" and not isinstance(value, str) and value is not None:
             value = text  # typed by the schema: a string field keeps the text as written
         current = out.get(section)
         out[section] = dict(current) if isinstance(current, dict) else {}
-        out[section][name] = value
+        if nested:
+            inner = out[section].get(name)
+            out[section][name] = dict(inner) if isinstance(inner, dict) else {}
+            out[section][name][parts[2]] = value
+        else:
+            out[section][name] = value
     return out
 
 

@@ -154,6 +154,11 @@ class Trainer:
         planned = self.schedule if self.adaptive is None else AccumulationSchedule(self.adaptive["min_factor"])
         self.total_steps = plan_total_steps(planned, self.loader, self.sampler, self.task, cfg, self.world)
         self.model = self.task.model.to(device)
+        self.fsdp = cfg.distributed.backend == "fsdp"
+        if self.fsdp:  # before the optimizer: fully_shard swaps the parameters for sharded ones
+            from launcher import fsdp_setup
+
+            self.model = fsdp_setup.shard(cfg, self.model, device)
         self.optimizer = build_optimizer(cfg.optimizer, self.model)  # the module: no_decay matches names
         self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer, self.total_steps)
         self.ds_engine = None
@@ -163,6 +168,8 @@ class Trainer:
             self.ds_engine, self.optimizer, self.lr_scheduler = deepspeed_setup.initialize(
                 cfg, self.model, self.optimizer, self.lr_scheduler, self.world)
             wrapped = self.ds_engine
+        elif self.fsdp:
+            wrapped = self.model  # the FSDP2 root; the engine picks the FSDP2 back end for it
         elif self.world > 1:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -180,7 +187,8 @@ class Trainer:
             nonfinite=acc.nonfinite, precision=cfg.run.precision, micro_batch_size=cfg.data.micro_batch_size,
             lr_coupling=acc.lr_coupling, noise_scale=acc.noise_scale, adaptive=self.adaptive,
             stop_at="micro_batch",  # preemption answered within ~1 micro-batch (DeepSpeed, noise scale: boundary)
-            norm_every=cfg.logging.log_every)
+            norm_every=cfg.logging.log_every,
+            gradient_sync=cfg.distributed.fsdp["gradient_sync"] if self.fsdp else "boundary")
         self.metrics = None
         self.progress = None
         self.start = time.time()
@@ -280,6 +288,10 @@ class Trainer:
             from launcher import deepspeed_setup
 
             return deepspeed_setup.consolidated_state_dict(self.ds_engine)
+        if self.fsdp:
+            from launcher import fsdp_setup
+
+            return fsdp_setup.consolidated_state_dict(self.model)
         if self.rank != 0:
             return None
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}

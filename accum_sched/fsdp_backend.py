@@ -1,0 +1,146 @@
+"""FSDP2 back end: the engine's windows on a model that ``torch.distributed.fsdp.fully_shard`` was applied to.
+
+How a window runs, in the two gradient-sync modes:
+
+* ``boundary`` (default): non-boundary micro-batches run with ``set_requires_gradient_sync(False)``, so FSDP2 keeps
+  each parameter's *unsharded* gradient on this rank and adds the next backward into it; the boundary micro-batch
+  reduce-scatters the window's sum once. One reduce-scatter per optimizer step, a full-size gradient per rank.
+* ``every_micro_batch``: every backward reduce-scatters, and FSDP2 adds the result into the *sharded* gradient.
+  Only a 1/world shard of the gradient is ever held (like ZeRO-2), at one reduce-scatter per micro-batch.
+
+Exactness: FSDP2's reduce-scatter averages over the ranks by default (ReduceOp.AVG, or a post-division by the world
+size where the reduce dtype risks overflow), just like DDP's all-reduce; the mean of sums is linear, so both modes
+deliver (sum over the window on all ranks) / world and the engine's usual coefficient (world / global element count,
+``averages_over_world``) turns it into the large-batch mean. A user-set ``set_gradient_divide_factor`` would change
+that divisor, so it is refused.
+
+At the boundary each rank holds a disjoint shard of the reduced gradient (a DTensor; ``to_local()`` is the shard).
+The global norm is the square root of the sum over ranks of the squared local norms, summed in the same all-reduce as
+the window's counts (one small all-reduce per step either way);
+clipping and normalisation multiply the local shards in place, which scales the whole gradient. A rank whose shard
+is empty (``Linear(5, 1)`` on 2 ranks) contributes zero and still takes part in the all-reduce.
+"""
+from __future__ import annotations
+
+import torch
+
+from accum_sched import collective
+from accum_sched.backends import TorchBackend
+from accum_sched.step_rules import squared_norm
+
+SYNC_MODES = ("boundary", "every_micro_batch")
+
+
+def fsdp_modules(model: torch.nn.Module) -> list:
+    """Every module of ``model`` that fully_shard was applied to (the root first)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _param_groups(module) -> list:
+    state = module._get_fsdp_state()
+    return list(state._fsdp_param_groups)
+
+
+class FSDPBackend(TorchBackend):
+    """Drives an FSDP2 root module (``fully_shard(model)``) and a torch optimizer over its sharded parameters.
+
+    Args:
+        model: the root module, on which ``fully_shard`` was applied (after its blocks, if any).
+        optimizer: a torch optimizer built on ``model.parameters()`` *after* sharding (DTensor parameters).
+        gradient_sync: ``"boundary"`` or ``"every_micro_batch"`` (see the module docstring).
+    """
+
+    averages_over_world = True
+    #: A stop inside a window is not offered (the engine falls back to stopping at the boundary): in boundary mode
+    #: the window's gradient lives in FSDP2's private unsharded accumulation buffers, not in ``.grad``.
+    partial_window_ok = False
+
+    def __init__(self, model, optimizer, lr_scheduler=None, scaler=None, gradient_sync: str = "boundary"):
+        super().__init__(model, optimizer, lr_scheduler, None)
+        if gradient_sync not in SYNC_MODES:
+            raise ValueError(f"gradient_sync={gradient_sync!r} is not one of {', '.join(SYNC_MODES)}")
+        if scaler is not None:
+            # GradScaler finds infs per shard, so ranks would disagree on skipping and on the scale.
+            raise ValueError("precision='fp16' (GradScaler) is not supported with FSDP2; use bf16 autocast or "
+                             "MixedPrecisionPolicy(param_dtype=torch.bfloat16)")
+        self.gradient_sync = gradient_sync
+        self.world_size = collective.world_size()
+        self._modules = fsdp_modules(model)
+        mesh_size = None
+        for module in self._modules:
+            for group in _param_groups(module):
+                factor = group.gradient_divide_factor
+                if factor is not None and factor != self.world_size:
+                    raise ValueError(f"set_gradient_divide_factor({factor}) was called on the FSDP2 model: the engine "
+                                     f"normalises exactly and needs FSDP2's default mean over the {self.world_size} "
+                                     f"ranks; remove that call")
+                mesh_size = group.mesh_info.shard_mesh_size if mesh_size is None else mesh_size
+        if mesh_size is not None and mesh_size != self.world_size:
+            raise ValueError(f"the FSDP2 mesh shards over {mesh_size} ranks but the process group has "
+                             f"{self.world_size}: only a 1-D data-parallel mesh over every rank is supported")
+        self._sync: bool | None = None  # what the FSDP2 modules were last told (set only on a change)
+        self._rounds = 0
+
+    @property
+    def allreduce_rounds(self) -> int:
+        """Backward passes that reduce-scattered gradients (each is one reduce-scatter per FSDP2 parameter group)."""
+        return self._rounds
+
+    @property
+    def allreduce_bytes(self) -> None:
+        return None
+
+    # -- per micro-batch ----------------------------------------------------------------------------------------
+    def _set_sync(self, sync: bool) -> None:
+        if sync != self._sync:
+            for module in self._modules:  # recurse=False each: one pass over the FSDP2 modules, not all modules
+                module.set_requires_gradient_sync(sync, recurse=False)
+            self._sync = sync
+
+    def sync_context(self, boundary: bool):
+        """Before the forward: FSDP2 reads the flag in its post-backward hooks, so set it for the whole micro-batch."""
+        sync = boundary or self.gradient_sync == "every_micro_batch"
+        self._set_sync(sync)
+        self._rounds += int(sync)
+        return super().sync_context(boundary)
+
+    # -- per window ---------------------------------------------------------------------------------------------
+    def _local_grads(self) -> list[torch.Tensor]:
+        """This rank's shards of the reduced gradient (views: scaling them in place scales the DTensor)."""
+        out = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                out.append(g.to_local() if hasattr(g, "to_local") else g)
+        return out
+
+    stats_dtype = torch.float64
+
+    def send_window_stats(self, stats: torch.Tensor, want_norm: bool) -> None:
+        """Before the last backward: start summing the window's numbers (overlapping that backward), unless the
+        norm is wanted, when they are summed after it together with the shards' squared norm (one all-reduce)."""
+        self._stats = stats.to(collective.comm_device())
+        self._stats_work = None if want_norm else collective.all_sum_async(self._stats)
+
+    def window_totals(self, want_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(summed window numbers, squared global norm if wanted): the shards are disjoint, so their squared norms
+        add up over ranks to the full gradient's."""
+        stats, work = self._stats, self._stats_work
+        self._stats = self._stats_work = None
+        if not want_norm:
+            if work is not None:
+                work.wait()
+            return stats, None
+        squared = squared_norm(self._grads(), stats.device)
+        both = collective.all_sum(torch.cat([stats, squared.reshape(1)]))
+        return both[:-1], both[-1]
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [g for g in self._local_grads() if g.numel()]
+
+
+__all__ = ["FSDPBackend", "SYNC_MODES", "fsdp_modules"]

@@ -1,0 +1,116 @@
+"""FSDP2 under `accum-sched run` (``distributed.backend: fsdp``): wrapping, sharded checkpoints, the final model.
+
+``distributed.fsdp`` (checked in launcher/config.py):
+
+* ``wrap``: module class names whose instances are sharded one by one (children before parents), then the root;
+  ``auto`` takes the model's ``_no_split_modules`` (Hugging Face models list their transformer blocks there) and
+  shards only the root when it has none.
+* ``reshard_after_forward`` (default true): wrapped blocks free their gathered parameters after the forward and
+  gather them again for the backward; false keeps them gathered until then (memory for one all-gather less). The
+  root follows FSDP2's own rule (kept gathered, as the backward starts with it) unless this is false.
+* ``param_dtype`` / ``reduce_dtype``: FSDP2's MixedPrecisionPolicy (compute / gradient reduce-scatter dtype); the
+  sharded parameters, the optimizer and the checkpoints stay fp32.
+* ``cpu_offload``: FSDP2's CPUOffloadPolicy (sharded parameters, gradients and optimizer step on the CPU).
+
+Checkpoints: every rank writes its shards of the model and optimizer with torch.distributed.checkpoint (DCP) under
+``<checkpoint>/fsdp/``, inside the temporary directory the Checkpointer commits atomically with its manifest. DCP
+reshards on load, so a run may resume on another world size. ``model.pt`` is gathered into a plain fp32
+state_dict on rank 0, with the same keys as the unsharded model.
+
+torch is imported inside the functions: `accum-sched check` imports nothing from here.
+"""
+from __future__ import annotations
+
+import os
+
+from launcher.errors import ConfigError
+
+DIRNAME = "fsdp"  # the DCP files inside a checkpoint directory
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
+
+def wrap_classes(options: dict, model) -> list[str]:
+    """The class names to shard before the root: the configured list, or the model's _no_split_modules (auto)."""
+    wrap = options["wrap"]
+    if wrap == "auto":
+        return list(getattr(model, "_no_split_modules", None) or [])
+    return list(wrap)
+
+
+def _dtype(name):
+    import torch
+
+    return None if name is None else getattr(torch, _DTYPES[name])
+
+
+def ensure_process_group() -> None:
+    """FSDP2 needs a process group even for one worker started without torchrun (torchrun always gives one)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def shard(cfg, model, device):
+    """Apply fully_shard to ``model`` as ``distributed.fsdp`` says; returns the root (the same object).
+
+    Call before building the optimizer: fully_shard replaces the parameters by sharded DTensors.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    options = cfg.distributed.fsdp
+    ensure_process_group()
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=_dtype(options["param_dtype"]),
+                                  reduce_dtype=_dtype(options["reduce_dtype"]))
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if options["cpu_offload"] else OffloadPolicy()
+    names = wrap_classes(options, model)
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [n for n in names if n not in present]
+    if missing and options["wrap"] != "auto":
+        raise ConfigError("distributed.fsdp.wrap", f"the model has no module of class {', '.join(missing)}",
+                          f"use class names of the model ({', '.join(sorted(present))}) or auto")
+    reshard = options["reshard_after_forward"]
+    # children before parents: reversed pre-order visits every wrapped block before any block that contains it
+    for module in reversed(list(model.modules())[1:]):
+        if type(module).__name__ in names:
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=policy,
+                       offload_policy=offload)
+
+
+# -- checkpoints ------------------------------------------------------------------------------------------------
+def save(model, optimizer, path: str) -> None:
+    """Every rank writes its shards of model and optimizer under ``path`` (DCP). Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
+
+
+def load(model, optimizer, path: str) -> None:
+    """Read ``path`` (written by :func:`save`, possibly by another number of ranks) into model and optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no FSDP2 shards in this checkpoint (was it saved by another back end?)")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=path)  # in place, resharded to this world's layout
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def consolidated_state_dict(model) -> dict | None:
+    """The full model as a plain fp32 state_dict on rank 0 (None elsewhere). Collective."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    return {k: v.detach().cpu().clone() for k, v in full.items()}  # sharded parameters keep their fp32
