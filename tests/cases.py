@@ -201,3 +201,17 @@ def reference_units(case, unit, coupling, world):
             counters["tokens"] += int(valid.sum())
             start += factor
     return model
+
+
+def launcher_shards(dataset, world: int, micro: int, epoch: int, seed: int = 0) -> list[list[list[int]]]:
+    """The micro-batches (lists of dataset indices) each rank of an `accum-sched run` trains in ``epoch``: torch's own
+    DistributedSampler shards (shuffled, padded to equal length), cut into micro-batches of ``micro``."""
+    from torch.utils.data import DistributedSampler
+
+    shards = []
+    for rank in range(world):
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+        sampler.set_epoch(epoch)
+        idx = list(sampler)
+        shards.append([idx[i:i + micro] for i in range(0, len(idx), micro)])
+    return shards

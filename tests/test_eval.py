@@ -21,6 +21,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 sys.path.insert(0, TESTS)
 import eval_tasks  # noqa: E402
+from cases import launcher_shards  # noqa: E402
 
 TWO_RANKS = """\
 run: {{output_dir: {out}, seed: 0, epochs: 3}}
@@ -109,8 +110,6 @@ def test_validation_is_exact_and_does_not_touch_training(tmp_path):
 
 def reference_three_ranks(epochs=2, world=3, micro=8):
     """Plain torch, one process: RMSprop with biases out of weight decay, StepLR, one big batch per window."""
-    from torch.utils.data import DistributedSampler
-
     torch.manual_seed(0)
     task = eval_tasks.regression()
     model, data = task["model"], task["dataset"]
@@ -121,12 +120,7 @@ def reference_three_ranks(epochs=2, world=3, micro=8):
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     for epoch in range(epochs):
         factor = 1 if epoch == 0 else 2
-        shards = []
-        for r in range(world):
-            sampler = DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0)
-            sampler.set_epoch(epoch)
-            idx = list(sampler)
-            shards.append([idx[i:i + micro] for i in range(0, len(idx), micro)])
+        shards = launcher_shards(data, world, micro, epoch)
         for start in range(0, len(shards[0]), factor):
             idx = [i for r in range(world) for b in shards[r][start:start + factor] for i in b]
             x, y = data.tensors[0][idx], data.tensors[1][idx]

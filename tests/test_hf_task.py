@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from torch.utils.data import DistributedSampler
+from cases import launcher_shards
 
 pytest.importorskip("transformers", reason="pip install -e .[hf] (transformers needs Python >= 3.11)")
 pytest.importorskip("datasets")
@@ -92,12 +92,7 @@ def reference(model, train: list, schedule: dict, unit: str, epochs: int):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     tokens, per_epoch = 0, []
     for epoch in range(epochs):
-        shards = []
-        for rank in range(WORLD):
-            sampler = DistributedSampler(train, num_replicas=WORLD, rank=rank, shuffle=True, seed=SEED)
-            sampler.set_epoch(epoch)
-            idx = list(sampler)
-            shards.append([idx[i:i + MICRO] for i in range(0, len(idx), MICRO)])
+        shards = launcher_shards(train, WORLD, MICRO, epoch, seed=SEED)
         n, start, counted = len(shards[0]), 0, 0
         while start < n:
             factor = brute_factor(schedule, epoch if unit == "epoch" else tokens)

@@ -13,6 +13,7 @@ import textwrap
 import pytest
 import torch
 
+from cases import launcher_shards
 from launcher.builtin_tasks import regression
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,20 +46,13 @@ def read_metrics(run_dir):
 
 def reference_regression(world=2, epochs=4, micro=16, schedule=((0, 1), (1, 2), (2, 3))):
     """One process: every window = one big batch of all ranks' micro-batches of that window; plain SGD."""
-    from torch.utils.data import DistributedSampler
-
     torch.manual_seed(0)
     task = regression(samples=200)
     model, data = task["model"], task["dataset"]
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for epoch in range(epochs):
         factor = [f for k, f in schedule if k <= epoch][-1]
-        shards = []
-        for r in range(world):
-            sampler = DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0)
-            sampler.set_epoch(epoch)
-            idx = list(sampler)
-            shards.append([idx[i:i + micro] for i in range(0, len(idx), micro)])
+        shards = launcher_shards(data, world, micro, epoch)
         n = len(shards[0])
         for start in range(0, n, factor):
             idx = [i for r in range(world) for b in shards[r][start:start + factor] for i in b]
