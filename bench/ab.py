@@ -33,15 +33,11 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from workload import Workload, build_model, make_optimizer, rank_data, sample_losses  # noqa: E402
+from workload import Workload, build_model, make_optimizer, rank_data, sample_losses, windowed  # noqa: E402
 
 
 def hand_written_epoch(ddp, optimizer, loader, factor):
-    n = len(loader)
-    for i, (x, y) in enumerate(loader):
-        start = i - i % factor
-        size = min(factor, n - start)
-        boundary = i == start + size - 1
+    for (x, y), size, boundary in windowed(loader, factor):
         with contextlib.nullcontext() if boundary else ddp.no_sync():
             (sample_losses(ddp, x, y).mean() / size).backward()
         if boundary:

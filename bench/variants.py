@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
-from workload import Workload, build_model, make_optimizer, rank_data, sample_losses
+from workload import Workload, build_model, make_optimizer, rank_data, sample_losses, windowed
 
 
 @dataclass(frozen=True)
@@ -76,14 +76,9 @@ def _hand_written(w: Workload, rec, use_no_sync: bool) -> torch.nn.Module:
     model, ddp = _ddp(w, rec)
     optimizer = make_optimizer(w, model.parameters())
     loader = _loader(w)
-    n = len(loader)
     for epoch in range(w.epochs):
-        factor = w.factor_of_epoch(epoch)
         rec.epoch_start(epoch)
-        for i, (x, y) in enumerate(loader):
-            start = i - i % factor
-            size = min(factor, n - start)
-            boundary = i == start + size - 1
+        for (x, y), size, boundary in windowed(loader, w.factor_of_epoch(epoch)):
             local = use_no_sync and not boundary
             with ddp.no_sync() if local else contextlib.nullcontext():
                 (sample_losses(ddp, x, y).mean() / size).backward()

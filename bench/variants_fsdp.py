@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
-from workload import Workload, build_model, make_optimizer, rank_data, sample_losses
+from workload import Workload, build_model, make_optimizer, rank_data, sample_losses, windowed
 
 
 def _count_collectives(rec) -> None:
@@ -95,14 +95,9 @@ def run_fsdp_hand(w: Workload, rec, sync: str) -> torch.nn.Module:
     _count_collectives(rec)
     optimizer = make_optimizer(w, model.parameters())
     loader = _loader(w)
-    n = len(loader)
     for epoch in range(w.epochs):
-        factor = w.factor_of_epoch(epoch)
         rec.epoch_start(epoch)
-        for i, (x, y) in enumerate(loader):
-            start = i - i % factor
-            size = min(factor, n - start)
-            boundary = i == start + size - 1
+        for (x, y), size, boundary in windowed(loader, w.factor_of_epoch(epoch)):
             if sync != "every_micro_batch":
                 model.set_requires_gradient_sync(boundary)
             if sync == "boundary-keep":  # parameters stay gathered from the window's first forward to its last backward

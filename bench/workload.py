@@ -88,6 +88,17 @@ def sample_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
     return ((model(x) - y) ** 2).sum(-1)
 
 
+def windowed(loader, factor: int):
+    """The hand-written loops' window arithmetic: yields ``(batch, size, boundary)`` for each micro-batch, where
+    ``size`` is the number of micro-batches in its window (a partial last window is shorter) and ``boundary`` marks
+    the window's last micro-batch."""
+    n = len(loader)
+    for i, batch in enumerate(loader):
+        start = i - i % factor
+        size = min(factor, n - start)
+        yield batch, size, i == start + size - 1
+
+
 def make_optimizer(w: Workload, params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR)
 
