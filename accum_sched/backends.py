@@ -88,7 +88,9 @@ class TorchBackend:
         undone before the LR scheduler steps, so schedulers never see it.
         """
         if not skip:
-            scale_gradients(self._grads(), gradient_scale(coef, max_norm, norm))
+            scale = gradient_scale(coef, max_norm, norm)
+            if scale != 1.0:  # full windows with a known micro-batch size are exact already (engine prescale)
+                scale_gradients(self._grads(), scale)
             with scaled_lr(self.optimizer, lr_scale):
                 if self.scaler is not None:
                     self.scaler.step(self.optimizer)
@@ -184,12 +186,14 @@ class DDPBackend(TorchBackend):
         self.hook: HookState | None = None
         self._stats_work = None
         if count_allreduce:
-            state = HookState(self.world_size)
+            state = HookState(model.process_group)
             try:
                 model.register_comm_hook(state, engine_hook)
                 self.hook = state
             except RuntimeError as exc:  # the user registered a hook of their own: keep it, count nothing
                 warnings.warn(f"gradient all-reduce rounds are not counted: {exc}", stacklevel=3)
+        # our hook sums (see accum_sched.ddp_hook); DDP's own reduction, or a user's hook, takes the mean
+        self.averages_over_world = self.hook is None
         dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
         # counts ride in a bucket only where its dtype holds them exactly (window_stats: fp32 or wider)
         self._stats_in_bucket = self.hook is not None and dtypes <= {torch.float32, torch.float64}

@@ -395,9 +395,10 @@ class AccumulationEngine:
             raise RuntimeError("engine.backward() must be called once per micro-batch from engine.micro_batches()")
         self._expect_backward = False
         n = n_elements.detach() if isinstance(n_elements, torch.Tensor) else n_elements
-        # kept where they are (a device tensor stays on the device): nothing here waits for the device
-        loss_value = loss_sum.detach().to(torch.float64)
-        self._win_loss = loss_value if self._win_loss is None else self._win_loss + loss_value
+        # kept where they are (a device tensor stays on the device): nothing here waits for the device. The sum is
+        # float64 (float64 + a float32 loss promotes exactly), one tensor op per micro-batch.
+        loss_value = loss_sum.detach()
+        self._win_loss = loss_value.to(torch.float64) if self._win_loss is None else self._win_loss + loss_value
         self._win_n = n if self._win_n is None else self._win_n + n
         if self._boundary:
             self._send_window_stats(loss_sum.device)
@@ -437,8 +438,8 @@ class AccumulationEngine:
         # measured where something needs it: clipping, fp16 overflow detection, the noise scale, the cadence
         self._want_norm = (self.max_grad_norm is not None or self.precision == "fp16" or self.noise is not None or (
             self.norm_every is not None and (self.optimizer_steps + 1) % self.norm_every == 0))
-        stats = window_stats.encode(self._win_n, self._win_samples, self._win_loss.to(device), self._stop_requested,
-                                    self.backend.stats_dtype)
+        stats = window_stats.encode(self._win_n, self._win_samples, self._win_loss, self._stop_requested,
+                                    self.backend.stats_dtype, device)
         self.backend.send_window_stats(stats, self._want_norm)
 
     def train_epoch(self, loader: Iterable, loss_fn: Callable, epoch: int | None = None, *, skip: bool = True) -> None:

@@ -30,13 +30,17 @@ def scale_gradients(tensors: Sequence[torch.Tensor], scale: float) -> None:
         torch._foreach_mul_(list(tensors), scale)
 
 
-@contextlib.contextmanager
 def scaled_lr(optimizer, scale: float):
     """Run the enclosed ``optimizer.step()`` at ``lr x scale`` (LR coupling), restoring every group's LR after, so the
-    LR scheduler never sees the coupling."""
-    if scale == 1.0:
-        yield
-        return
+    LR scheduler never sees the coupling. At scale 1 (no coupling: every step by default) a shared no-op context."""
+    return _UNSCALED if scale == 1.0 else _scaled_lr(optimizer, scale)
+
+
+_UNSCALED = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _scaled_lr(optimizer, scale: float):
     saved = [group["lr"] for group in optimizer.param_groups]
     for group in optimizer.param_groups:
         group["lr"] = group["lr"] * scale

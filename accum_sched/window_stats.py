@@ -37,20 +37,22 @@ def _host_vector(values: list[float], device: torch.device, dtype: torch.dtype) 
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-def encode(elements, samples: int, loss: torch.Tensor, stop: bool, dtype: torch.dtype) -> torch.Tensor:
-    """The local vector of one window, on ``loss``'s device, in ``dtype``.
+def encode(elements, samples: int, loss: torch.Tensor, stop: bool, dtype: torch.dtype,
+           device: torch.device | None = None) -> torch.Tensor:
+    """The local vector of one window, on ``device`` (default: ``loss``'s), in ``dtype``.
 
     ``elements`` is an int or an integer-valued tensor (the sum of the loss functions' element counts), ``loss`` the
-    float64 sum of the window's losses on this rank.
+    float64 sum of the window's losses on this rank. Two tensor operations in the usual case (int counts): the host
+    numbers in one tensor, the loss copied into its last place (converted to ``dtype`` on the way).
     """
-    device = loss.device
-    tail = loss.detach().reshape(1).to(dtype)
+    device = loss.device if device is None else device
+    host = _digits(samples) + [float(stop), 0.0]
     if isinstance(elements, torch.Tensor):
-        head = torch.cat([_tensor_digits(elements).to(device, dtype),
-                          _host_vector(_digits(samples) + [float(stop)], device, dtype)])
+        out = torch.cat([_tensor_digits(elements).to(device, dtype), _host_vector(host, device, dtype)])
     else:
-        head = _host_vector(_digits(elements) + _digits(samples) + [float(stop)], device, dtype)
-    return torch.cat([head, tail])
+        out = _host_vector(_digits(elements) + host, device, dtype)
+    out[SIZE - 1] = loss.detach().reshape(())  # a NaN or inf stays one
+    return out
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,10 @@ SYNC_METHODS = ("item", "tolist", "__float__", "__bool__", "__int__")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "all_gather_object",
                "broadcast_object_list", "send", "recv", "isend", "irecv")
+# ProcessGroup methods (called on the group: args[0] is the group, args[1] the tensors) -> the collective's name
+PROCESS_GROUP_METHODS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "allgather": "all_gather",
+                         "broadcast": "broadcast", "reduce_scatter": "reduce_scatter", "reduce": "reduce",
+                         "barrier": "barrier", "alltoall_base": "all_to_all"}
 # partial last windows (factor 3 and 5 do not divide 10 micro-batches), clipping: the norm over several buckets
 LAYERS = cases.Case("layers-clip", {0: 1, 1: 3, 2: 5}, epochs=3, samples=(40, 38), kind="layers", clip=0.05,
                     lr=0.02)
@@ -59,34 +63,43 @@ class SyncCounter:
 
 
 class CollectiveCounter:
-    """Wraps torch.distributed's Python collectives: (name, number of elements) of every call, while installed."""
+    """Wraps torch.distributed's Python collectives, and the ProcessGroup methods a comm hook may call directly (as
+    torch's own hooks do): (name, number of elements) of every call, while installed. A ProcessGroup method called
+    from inside torch.distributed is the inner half of a call already counted, and is not counted again."""
 
     def __init__(self):
         self.calls: list[tuple[str, int]] = []
-        self._saved = {}
+        self._saved = []
+
+    def _wrap(self, owner, name, label, skip_inner):
+        original = getattr(owner, name, None)
+        if original is None:
+            return
+        # restored from the raw attribute: a pybind method read through getattr no longer binds ``self``
+        self._saved.append((owner, name, vars(owner)[name] if isinstance(owner, type) else original))
+
+        def wrapper(*args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if not (skip_inner and caller.startswith("torch.distributed")):
+                tensors = args[1] if skip_inner else (args[0] if args else next(iter(kwargs.values()), None))
+                first = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else tensors
+                self.calls.append((label, first.numel() if isinstance(first, torch.Tensor) else 0))
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
 
     def __enter__(self):
         import torch.distributed as dist
 
         for name in COLLECTIVES:
-            original = getattr(dist, name, None)
-            if original is None:
-                continue
-            self._saved[name] = original
-
-            def wrapper(*args, _original=original, _name=name, **kwargs):
-                first = args[0] if args else next(iter(kwargs.values()), None)
-                self.calls.append((_name, first.numel() if isinstance(first, torch.Tensor) else 0))
-                return _original(*args, **kwargs)
-
-            setattr(dist, name, wrapper)
+            self._wrap(dist, name, name, skip_inner=False)
+        for method, label in PROCESS_GROUP_METHODS.items():
+            self._wrap(dist.ProcessGroup, method, label, skip_inner=True)
         return self
 
     def __exit__(self, *exc):
-        import torch.distributed as dist
-
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
 
 
 def _run_counted(case, rank, world, engine_kwargs, ddp_kwargs):
