@@ -1,21 +1,28 @@
 """In-process A/B of the engine against the loop a user writes by hand, inside the same two processes.
 
-    torchrun --standalone --nproc_per_node 2 bench/ab.py [--model 1M] [--factors 1,4,8] [--rounds 7]
+    torchrun --standalone --nproc_per_node 2 bench/ab.py [--model 1M] [--factors 1,4,8] [--rounds 16]
     torchrun --standalone --nproc_per_node 2 bench/ab.py --deepspeed 2     # engine + DeepSpeed vs DeepSpeed alone
 
-A finer instrument than bench/run.py for the engine's own overhead: every variant shares the processes, the data and
-the machine's load; each round runs one epoch of every variant per factor, in a rotated order, and the ratio
-(baseline time / variant time) is taken within the round, so load from other work on the machine cancels out. The
-first round is a warm-up and is dropped. Printed: median [min-max] of the per-round ratios, wall clock and CPU time
-(both ranks, all threads).
+A finer instrument than bench/run.py for the engine's own overhead. Every variant shares the processes, the data
+and the machine's load. Each round trains one epoch of every variant per factor, interleaved **window by window**:
+window 1 of every variant, then window 2 of every variant, ..., in an order rotated at every window, each window
+started on both ranks together (a barrier, not timed). A variant's epoch time is the sum of its windows' times, so
+a burst of load from elsewhere hits every variant within a few tens of milliseconds of each other and cancels in
+the ratio (baseline epoch time / variant epoch time), taken per round. The engine steps lazily (when the next
+micro-batch is asked for, or at the end of the epoch), so its step lands in its next window's time; the sum over the
+epoch counts everything once. The first round is a warm-up and is dropped. Printed: median [min-max] of the
+per-round ratios, wall clock and CPU time (both ranks, all threads).
+
+``hand2`` is a second, identical hand-written loop: its row is the instrument's own noise (an A/A test), to read
+the other rows against.
 
 DDP variants: ``hand`` (baseline: plain DDP, no comm hook, no_sync off the boundary, mean loss / window size),
-``engine`` (the defaults: no gradient norm, as in the hand-written loop), ``engine_norm`` (``norm_every=1``: the
-norm and non-finite-gradient check at every step, taken in the comm hook), ``engine_nohook``
-(``count_allreduce=False``: no comm hook; the window's numbers take one small all-reduce overlapping the last
-backward), ``hand_hook`` (the baseline with a Python comm hook that only counts rounds: what any
-Python hook costs). ``--deepspeed STAGE``: ``alone`` (baseline: DeepSpeed's own GAS, step() every micro-batch)
-and ``engine`` (accum_sched driving the same DeepSpeed configuration).
+``hand2`` (the same again), ``engine`` (the defaults: no gradient norm, as in the hand-written loop),
+``engine_norm`` (``norm_every=1``: the norm and non-finite-gradient check at every step, taken in the comm hook),
+``engine_nohook`` (``count_allreduce=False``: no comm hook; the window's numbers take one small all-reduce
+overlapping the last backward), ``hand_hook`` (the baseline with a Python comm hook that only counts rounds: what
+any Python hook costs). ``--deepspeed STAGE``: ``alone`` (baseline: DeepSpeed's own GAS, step() every
+micro-batch), ``alone2`` (the same again) and ``engine`` (accum_sched driving the same DeepSpeed configuration).
 """
 from __future__ import annotations
 
@@ -36,25 +43,65 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from workload import Workload, build_model, make_optimizer, rank_data, sample_losses, windowed  # noqa: E402
 
 
-def hand_written_epoch(ddp, optimizer, loader, factor):
-    for (x, y), size, boundary in windowed(loader, factor):
-        with contextlib.nullcontext() if boundary else ddp.no_sync():
-            (sample_losses(ddp, x, y).mean() / size).backward()
-        if boundary:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+class HandWritten:
+    """The loop a user writes: no_sync off the boundary, mean loss divided by the window's size."""
+
+    def __init__(self, ddp, optimizer):
+        self.ddp, self.optimizer = ddp, optimizer
+
+    def start(self, loader, factor, epoch):
+        self.batches = windowed(loader, factor)
+
+    def window(self, size):
+        for _ in range(size):
+            (x, y), micro_batches, boundary = next(self.batches)
+            with contextlib.nullcontext() if boundary else self.ddp.no_sync():
+                (sample_losses(self.ddp, x, y).mean() / micro_batches).backward()
+            if boundary:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+
+    def finish(self):
+        pass
 
 
-def ds_alone_epoch(ds_engine, loader, factor, world):
-    ds_engine.set_train_batch_size(loader.batch_size * factor * world)
-    for x, y in loader:
-        ds_engine.backward(sample_losses(ds_engine, x, y).mean())
-        ds_engine.step()
+class DeepSpeedAlone:
+    """DeepSpeed's own accumulation: GAS set for the epoch, backward and step() on every micro-batch."""
+
+    def __init__(self, ds_engine, world):
+        self.ds, self.world = ds_engine, world
+
+    def start(self, loader, factor, epoch):
+        self.ds.set_train_batch_size(loader.batch_size * factor * self.world)
+        self.batches = iter(loader)
+
+    def window(self, size):
+        for _ in range(size):
+            x, y = next(self.batches)
+            self.ds.backward(sample_losses(self.ds, x, y).mean())
+            self.ds.step()
+
+    def finish(self):
+        pass
 
 
-def engine_epoch(engine, loader, epoch):
-    for x, y in engine.micro_batches(loader, epoch):
-        engine.backward(sample_losses(engine.model, x, y).sum(), x.shape[0])
+class Engine:
+    """accum_sched: the engine's micro-batch iterator, summed losses and element counts."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def start(self, loader, factor, epoch):
+        self.batches = self.engine.micro_batches(loader, epoch)
+
+    def window(self, size):
+        for _ in range(size):
+            x, y = next(self.batches)
+            self.engine.backward(sample_losses(self.engine.model, x, y).sum(), x.shape[0])
+
+    def finish(self):  # the epoch's last step runs when the iterator is asked for more
+        for _ in self.batches:
+            raise RuntimeError("the engine yielded more micro-batches than the epoch has")
 
 
 def _ds_engine(w: Workload, stage: int, factor: int):
@@ -70,40 +117,71 @@ def _ds_engine(w: Workload, stage: int, factor: int):
 
 
 def build_variants(args, w: Workload, schedule: dict) -> tuple[str, dict]:
-    """(baseline name, {name: epoch function(loader, factor, epoch)})."""
+    """(baseline name, {name: variant}) in the order given."""
     from accum_sched import AccumulationEngine
 
+    wanted = args.variants.split(",")
     if args.deepspeed is not None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         from accum_sched.deepspeed_backend import ensure_torch_extensions_dir
 
         ensure_torch_extensions_dir()
-        alone = _ds_engine(w, args.deepspeed, 1)
-        ours = AccumulationEngine(_ds_engine(w, args.deepspeed, 1), None, schedule, micro_batch_size=w.micro)
-        return "alone", {"alone": lambda loader, f, e: ds_alone_epoch(alone, loader, f, w.world),
-                         "engine": lambda loader, f, e: engine_epoch(ours, loader, e)}
-    hand_model = build_model(w.model)
-    hand = DDP(hand_model, bucket_cap_mb=args.bucket_cap_mb)
-    hand_opt = make_optimizer(w, hand_model.parameters())
-    out = {"hand": lambda loader, f, e: hand_written_epoch(hand, hand_opt, loader, f)}
-    if "hand_hook" in args.variants:  # the same loop with a Python comm hook that only counts: what a hook costs
-        from accum_sched.backends import _counting_allreduce, _Counter
+        out = {"alone": DeepSpeedAlone(_ds_engine(w, args.deepspeed, 1), w.world)}
+        if "alone2" in wanted:
+            out["alone2"] = DeepSpeedAlone(_ds_engine(w, args.deepspeed, 1), w.world)
+        if "engine" in wanted:
+            out["engine"] = Engine(AccumulationEngine(_ds_engine(w, args.deepspeed, 1), None, schedule,
+                                                      micro_batch_size=w.micro))
+        return "alone", out
 
-        hooked_model = build_model(w.model)
-        hooked = DDP(hooked_model, bucket_cap_mb=args.bucket_cap_mb)
-        hooked.register_comm_hook(_Counter(), _counting_allreduce)
-        hooked_opt = make_optimizer(w, hooked_model.parameters())
-        out["hand_hook"] = lambda loader, f, e: hand_written_epoch(hooked, hooked_opt, loader, f)
-    for name, kwargs in (("engine", {}), ("engine_norm", {"norm_every": 1}),
-                         ("engine_nohook", {"count_allreduce": False})):
-        if name not in args.variants:
-            continue
+    def hand(hook=None):
         model = build_model(w.model)
-        engine = AccumulationEngine(DDP(model, bucket_cap_mb=args.bucket_cap_mb),
-                                    make_optimizer(w, model.parameters()), schedule, micro_batch_size=w.micro,
-                                    **kwargs)
-        out[name] = lambda loader, f, e, engine=engine: engine_epoch(engine, loader, e)
+        ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
+        if hook is not None:
+            ddp.register_comm_hook(*hook)
+        return HandWritten(ddp, make_optimizer(w, model.parameters()))
+
+    out = {"hand": hand()}
+    for name in wanted:
+        if name == "hand2":
+            out[name] = hand()
+        elif name == "hand_hook":  # the same loop with a Python comm hook that only counts: what a hook costs
+            from accum_sched.backends import _counting_allreduce, _Counter
+
+            out[name] = hand((_Counter(), _counting_allreduce))
+        elif name in ENGINE_KWARGS:
+            model = build_model(w.model)
+            out[name] = Engine(AccumulationEngine(DDP(model, bucket_cap_mb=args.bucket_cap_mb),
+                                                  make_optimizer(w, model.parameters()), schedule,
+                                                  micro_batch_size=w.micro, **ENGINE_KWARGS[name]))
+        else:
+            raise SystemExit(f"--variants: unknown variant {name!r} (hand2, hand_hook, {', '.join(ENGINE_KWARGS)})")
     return "hand", out
+
+
+ENGINE_KWARGS = {"engine": {}, "engine_norm": {"norm_every": 1}, "engine_nohook": {"count_allreduce": False}}
+
+
+def run_epoch(variants: dict, loader, factor: int, epoch: int, batches: int) -> tuple[dict, dict]:
+    """One epoch of every variant, interleaved window by window; (wall, cpu) seconds per variant."""
+    names = list(variants)
+    wall, cpu = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
+
+    def timed(name, call, *a):
+        dist.barrier()
+        t, c = time.perf_counter(), time.process_time()
+        call(*a)
+        wall[name] += time.perf_counter() - t
+        cpu[name] += time.process_time() - c
+
+    for name in names:
+        variants[name].start(loader, factor, epoch)
+    for k, start in enumerate(range(0, batches, factor)):
+        for name in names[k % len(names):] + names[:k % len(names)]:  # rotated: no variant always goes first
+            timed(name, variants[name].window, min(factor, batches - start))
+    for name in names:
+        timed(name, variants[name].finish)
+    return wall, cpu
 
 
 def main() -> None:
@@ -111,8 +189,8 @@ def main() -> None:
     parser.add_argument("--model", default="1M")
     parser.add_argument("--batches", type=int, default=62)
     parser.add_argument("--factors", default="1,4,8")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--variants", default="engine,engine_norm")
+    parser.add_argument("--rounds", type=int, default=16)
+    parser.add_argument("--variants", default="engine,hand2")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--deepspeed", type=int, default=None, metavar="STAGE")
     args = parser.parse_args()
@@ -129,15 +207,12 @@ def main() -> None:
     wall = {f: {n: [] for n in names} for f in factors}
     cpu = {f: {n: [] for n in names} for f in factors}
     epoch = 0
-    for r in range(args.rounds):
+    for _ in range(args.rounds):
         for factor in factors:
-            order = names[r % len(names):] + names[:r % len(names)]  # rotated: no variant always runs first
-            for name in order:
-                dist.barrier()
-                t, c = time.perf_counter(), time.process_time()
-                variants[name](loader, factor, epoch)
-                wall[factor][name].append(time.perf_counter() - t)
-                cpu[factor][name].append(time.process_time() - c)
+            epoch_wall, epoch_cpu = run_epoch(variants, loader, factor, epoch, args.batches)
+            for name in names:
+                wall[factor][name].append(epoch_wall[name])
+                cpu[factor][name].append(epoch_cpu[name])
             epoch += 1
     for factor in factors:  # CPU seconds of both ranks: the work done, whatever the waiting for a busy machine
         for name in names:
@@ -147,7 +222,8 @@ def main() -> None:
     if rank == 0:
         what = f"DeepSpeed ZeRO-{args.deepspeed}" if args.deepspeed is not None else "DDP"
         print(f"model {args.model}, {what}, {args.batches} micro-batches of {w.micro} per rank per epoch, "
-              f"{args.rounds - 1} rounds after a warm-up; ratio = {baseline} time / variant time")
+              f"{args.rounds - 1} rounds after a warm-up, window-interleaved; ratio = {baseline} time / variant "
+              f"time; torch {torch.__version__}, {os.cpu_count()} CPUs")
         for factor in factors:
             for name in names:
                 if name == baseline:
