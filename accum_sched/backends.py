@@ -24,6 +24,9 @@ from accum_sched.ddp_hook import HookState, engine_hook
 from accum_sched.step_rules import gradient_scale, scale_gradients, scaled_lr, squared_norm
 
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
+
+
 class TorchBackend:
     """Gradients live in ``param.grad`` and a torch optimizer steps them (single process)."""
 
@@ -52,7 +55,7 @@ class TorchBackend:
     # -- per micro-batch ----------------------------------------------------------------------------------------
     def sync_context(self, boundary: bool):
         """Entered around forward AND backward of a micro-batch; only the boundary one may communicate."""
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.scaler is not None:
@@ -246,7 +249,7 @@ class DDPBackend(TorchBackend):
         return None if self.hook is None else self.hook.bytes
 
     def sync_context(self, boundary: bool):
-        return contextlib.nullcontext() if boundary else self.model.no_sync()
+        return _NO_CONTEXT if boundary else self.model.no_sync()
 
 
 def is_deepspeed_engine(model) -> bool:

@@ -8,8 +8,8 @@
 * the window's numbers (:mod:`accum_sched.window_stats`) ride at the end of one bucket of the boundary backward, so
   summing them over ranks costs no collective of its own. DDP reads each gradient from its offset in the tensor the
   hook's future returns, so the extra tail is simply ignored by DDP. The carrier is the smallest bucket of the
-  previous round (copying it with the tail appended is the only extra work), or the last bucket if that one never
-  came; every rank makes the same choice because DDP gives every rank the same buckets;
+  previous round (copying it, with the tail, into a buffer kept for the purpose is the only extra work), or the
+  last bucket if that one never came; every rank makes the same choice because DDP gives every rank the same buckets;
 * the squared norm of each reduced bucket, when the engine asked for the norm of this window, taken in the future's
   callback while the backward still runs, with the bucket still in cache;
 * callbacks per bucket, before and after its reduction (``before_reduce(bucket)`` while the bucket holds this
@@ -43,6 +43,23 @@ class HookState:
         self.reduced_stats: torch.Tensor | None = None  # ... and summed over ranks by the end of that backward
         self._sizes: dict[int, int] = {}
         self._carrier = 0  # bucket index that carries the stats (the smallest of the previous round)
+        self._flat: torch.Tensor | None = None  # the carrier's buffer, kept: (bucket, stats) copied in, reduced in place
+        self._parts: tuple[torch.Tensor, torch.Tensor] | None = None  # its (gradient, stats) views
+
+    def carrier(self, buf: torch.Tensor, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``buf`` followed by ``stats`` in one tensor, and the view of its tail. The tensor is allocated once and
+        reused: a fresh one per step costs an allocation the size of the bucket (page faults on CPU), more than the
+        copy. Reusing it is safe: DDP copies the reduced bucket into ``.grad`` before the backward returns, and the
+        engine reads the tail before the next boundary backward."""
+        n = buf.numel()
+        flat = self._flat
+        if flat is None or flat.numel() != n + stats.numel() or flat.dtype != buf.dtype or flat.device != buf.device:
+            flat = self._flat = torch.empty(n + stats.numel(), dtype=buf.dtype, device=buf.device)
+            self._parts = (flat[:n], flat[n:])
+        head, tail = self._parts
+        head.copy_(buf)
+        tail.copy_(stats)
+        return flat, tail
 
     def take_norm(self) -> torch.Tensor | None:
         """The squared norm of the last reduced gradient (float64, on the device), or None if it was not taken."""
@@ -65,8 +82,8 @@ def engine_hook(state: HookState, bucket):
         callback(bucket)
     n = buf.numel()
     carry = state.pending_stats is not None and (index == state._carrier or last)
-    if carry:
-        flat = torch.cat([buf, state.pending_stats.to(buf.device, buf.dtype)])
+    if carry:  # the tail holds the sums once DDP has waited for this bucket, at the backward's end
+        flat, state.reduced_stats = state.carrier(buf, state.pending_stats)
         state.pending_stats = None
     else:
         flat = buf
@@ -74,8 +91,6 @@ def engine_hook(state: HookState, bucket):
         state._carrier = min(state._sizes, key=state._sizes.get)
         state._sizes = {}
     fut = state.process_group.allreduce([flat]).get_future()
-    if carry:  # a view of the tail: it holds the sums once DDP has waited for this bucket, at the backward's end
-        state.reduced_stats = flat[n:]
     want_norm, after = state.want_norm, state.after_reduce
     if not want_norm and not after:
         return fut.then(_first)  # a Python hook's future must hold one tensor (torch asserts it)

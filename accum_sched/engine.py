@@ -86,6 +86,8 @@ class StepInfo:
 
 def _batch_size(batch) -> int:
     """Samples in a micro-batch: the leading dimension of its first tensor."""
+    if type(batch) in (list, tuple) and batch and type(batch[0]) is torch.Tensor and batch[0].dim():  # (x, y, ...)
+        return batch[0].shape[0]
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
     if isinstance(batch, dict):
@@ -206,7 +208,8 @@ class AccumulationEngine:
 
         # the open window
         self._expect_backward = False
-        self._win_loss: torch.Tensor | None = None  # float64 sum of the window's losses, on the loss's device
+        self._win_losses: list[torch.Tensor] = []  # the window's detached losses, summed once at its end
+        self._win_loss_carried = 0.0  # this rank's loss sum of a window left open by a stop (resumed)
         self._win_n: int | torch.Tensor | None = None  # element count: an int, or a tensor if the loss gave one
         self._win_samples = 0
         self._boundary = False  # the micro-batch handed out last ends its window
@@ -269,6 +272,8 @@ class AccumulationEngine:
 
     def _factor_for(self) -> int:
         """The factor of the window starting now: the adaptive controller's, or the schedule's."""
+        if self.adaptive is None and self.schedule.unit == "epoch":  # the usual case, once per window
+            return self.schedule.factor_at(self.epoch_index)
         return (self.adaptive or self.schedule).factor_for(self._position())
 
     def _make_noise(self):
@@ -395,10 +400,10 @@ class AccumulationEngine:
             raise RuntimeError("engine.backward() must be called once per micro-batch from engine.micro_batches()")
         self._expect_backward = False
         n = n_elements.detach() if isinstance(n_elements, torch.Tensor) else n_elements
-        # kept where they are (a device tensor stays on the device): nothing here waits for the device. The sum is
-        # float64 (float64 + a float32 loss promotes exactly), one tensor op per micro-batch.
+        # kept where they are (a device tensor stays on the device): nothing here waits for the device, and no
+        # tensor operation: the window's losses are summed once, at its end (_window_loss)
         loss_value = loss_sum.detach()
-        self._win_loss = loss_value.to(torch.float64) if self._win_loss is None else self._win_loss + loss_value
+        self._win_losses.append(loss_value.reshape(()) if loss_value.dim() else loss_value)
         self._win_n = n if self._win_n is None else self._win_n + n
         if self._boundary:
             self._send_window_stats(loss_sum.device)
@@ -431,6 +436,17 @@ class AccumulationEngine:
             return 1.0
         return self._averaging / (self.micro_batch_size * size * self.world_size)
 
+    def _window_loss(self) -> torch.Tensor:
+        """This rank's sum of the window's losses, on the losses' device: the loss itself for a window of one
+        micro-batch, else one float64 sum (two tensor operations per window, none per micro-batch)."""
+        losses = self._win_losses
+        if len(losses) == 1 and not self._win_loss_carried:
+            return losses[0]
+        if not losses:
+            return torch.tensor(self._win_loss_carried, dtype=torch.float64)
+        total = torch.stack(losses).sum(dtype=torch.float64)
+        return total + self._win_loss_carried if self._win_loss_carried else total
+
     def _send_window_stats(self, device: torch.device) -> None:
         """Hand the window's numbers to the back end before its last backward: the loss and element count of the
         last micro-batch are known before its backward, so they can travel inside that backward's gradient
@@ -438,7 +454,7 @@ class AccumulationEngine:
         # measured where something needs it: clipping, fp16 overflow detection, the noise scale, the cadence
         self._want_norm = (self.max_grad_norm is not None or self.precision == "fp16" or self.noise is not None or (
             self.norm_every is not None and (self.optimizer_steps + 1) % self.norm_every == 0))
-        stats = window_stats.encode(self._win_n, self._win_samples, self._win_loss, self._stop_requested,
+        stats = window_stats.encode(self._win_n, self._win_samples, self._window_loss(), self._stop_requested,
                                     self.backend.stats_dtype, device)
         self.backend.send_window_stats(stats, self._want_norm)
 
@@ -465,7 +481,7 @@ class AccumulationEngine:
     def _read_totals(self) -> window_stats.WindowTotals:
         """The window's numbers summed over ranks and its gradient norm: the one host transfer of the step."""
         stats, squared_norm = self.backend.window_totals(self._want_norm)
-        values = stats.reshape(-1)
+        values = stats if stats.dim() == 1 else stats.reshape(-1)
         if squared_norm is not None:
             values = torch.cat([values.to(torch.float64), squared_norm.reshape(1).to(values.device, torch.float64)])
         return window_stats.decode(values.tolist())  # the host sync of this optimizer step
@@ -525,7 +541,7 @@ class AccumulationEngine:
         self.should_stop = totals.stop
         if self.adaptive is not None:  # decides the next window's factor from all-reduced numbers only
             self.adaptive.after_window(self.optimizer_steps, noise["noise_scale"], float(totals.elements), size)
-        self._win_loss = self._win_n = None
+        self._win_losses, self._win_n, self._win_loss_carried = [], None, 0.0
         self._win_samples = 0
 
     def _report(self, info: StepInfo, overflow: bool) -> None:
@@ -577,7 +593,7 @@ class AccumulationEngine:
             "backend": self.backend.state_dict(), **self._noise_state(),
         }
         if self.window_open:
-            state["window"] = {"start": self._win_start, "loss": float(self._win_loss), "elements": float(self._win_n),
+            state["window"] = {"start": self._win_start, "loss": float(self._window_loss()), "elements": float(self._win_n),
                                "samples": self._win_samples, "grads": self.backend.local_grads()}
         return state
 
@@ -610,7 +626,8 @@ class AccumulationEngine:
         self.backend.load_state_dict(state.get("backend", {}))
         window = state.get("window")
         self._win_start = None if window is None else int(window["start"])
-        self._win_loss = None if window is None else torch.tensor(window["loss"], dtype=torch.float64)
+        self._win_losses = []
+        self._win_loss_carried = 0.0 if window is None else float(window["loss"])
         self._win_n = None if window is None else torch.tensor(window["elements"], dtype=torch.float64)
         self._win_samples = 0 if window is None else int(window["samples"])
         if window is not None:

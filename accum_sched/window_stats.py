@@ -42,16 +42,19 @@ def encode(elements, samples: int, loss: torch.Tensor, stop: bool, dtype: torch.
     """The local vector of one window, on ``device`` (default: ``loss``'s), in ``dtype``.
 
     ``elements`` is an int or an integer-valued tensor (the sum of the loss functions' element counts), ``loss`` the
-    float64 sum of the window's losses on this rank. Two tensor operations in the usual case (int counts): the host
-    numbers in one tensor, the loss copied into its last place (converted to ``dtype`` on the way).
+    sum of the window's losses on this rank (float64, or the loss itself for a window of one micro-batch). Two
+    tensor operations in the usual case (int counts): the host numbers in one tensor, the loss copied into its last
+    place (converted to ``dtype`` on the way).
     """
     device = loss.device if device is None else device
     host = _digits(samples) + [float(stop), 0.0]
     if isinstance(elements, torch.Tensor):
         out = torch.cat([_tensor_digits(elements).to(device, dtype), _host_vector(host, device, dtype)])
+    elif device.type == "cpu":
+        out = torch.tensor(_digits(elements) + host, dtype=dtype)
     else:
         out = _host_vector(_digits(elements) + host, device, dtype)
-    out[SIZE - 1] = loss.detach().reshape(())  # a NaN or inf stays one
+    out[SIZE - 1] = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())  # a NaN or inf stays one
     return out
 
 
@@ -70,11 +73,10 @@ class WindowTotals:
 
 def decode(values: list[float]) -> WindowTotals:
     """Read :func:`encode`'s layout summed over ranks, plus an optional squared gradient norm appended after it."""
-    def count(i):
-        return int(round(values[i])) * DIGIT ** 2 + int(round(values[i + 1])) * DIGIT + int(round(values[i + 2]))
-
+    d = [int(round(v)) for v in values[:6]]  # the digits of the two counts
     squared = values[SIZE] if len(values) > SIZE else None
     loss = values[7]
-    return WindowTotals(elements=count(0), samples=count(3), stop=values[6] > 0, loss=loss,
+    return WindowTotals(elements=(d[0] * DIGIT + d[1]) * DIGIT + d[2], samples=(d[3] * DIGIT + d[4]) * DIGIT + d[5],
+                        stop=values[6] > 0, loss=loss,
                         nonfinite=loss != loss or abs(loss) == float("inf"),
                         grad_norm=None if squared is None else squared ** 0.5)

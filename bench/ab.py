@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import statistics
 import sys
 import time
@@ -116,47 +117,42 @@ def _ds_engine(w: Workload, stage: int, factor: int):
     return ds_engine
 
 
-def build_variants(args, w: Workload, schedule: dict) -> tuple[str, dict]:
-    """(baseline name, {name: variant}) in the order given."""
+def build_variants(args, w: Workload, schedule: dict, order: random.Random) -> tuple[str, dict]:
+    """(baseline name, {name: variant}) in the order given; built in an order shuffled by ``order`` (seeded the same
+    on every rank)."""
+    wanted = args.variants.split(",")
+    baseline = "alone" if args.deepspeed is not None else "hand"
+    names = [baseline] + [n for n in wanted if n != baseline]
+    built = {name: None for name in names}
+    for name in order.sample(names, len(names)):
+        built[name] = build_variant(name, args, w, schedule)
+    return baseline, built
+
+
+def build_variant(name: str, args, w: Workload, schedule: dict):
     from accum_sched import AccumulationEngine
 
-    wanted = args.variants.split(",")
     if args.deepspeed is not None:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        from accum_sched.deepspeed_backend import ensure_torch_extensions_dir
-
-        ensure_torch_extensions_dir()
-        out = {"alone": DeepSpeedAlone(_ds_engine(w, args.deepspeed, 1), w.world)}
-        if "alone2" in wanted:
-            out["alone2"] = DeepSpeedAlone(_ds_engine(w, args.deepspeed, 1), w.world)
-        if "engine" in wanted:
-            out["engine"] = Engine(AccumulationEngine(_ds_engine(w, args.deepspeed, 1), None, schedule,
-                                                      micro_batch_size=w.micro))
-        return "alone", out
-
-    def hand(hook=None):
+        if name in ("alone", "alone2"):
+            return DeepSpeedAlone(_ds_engine(w, args.deepspeed, 1), w.world)
+        if name == "engine":
+            return Engine(AccumulationEngine(_ds_engine(w, args.deepspeed, 1), None, schedule,
+                                             micro_batch_size=w.micro))
+        raise SystemExit(f"--variants: unknown variant {name!r} with --deepspeed (alone2, engine)")
+    if name in ("hand", "hand2", "hand_hook"):
         model = build_model(w.model)
         ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
-        if hook is not None:
-            ddp.register_comm_hook(*hook)
-        return HandWritten(ddp, make_optimizer(w, model.parameters()))
-
-    out = {"hand": hand()}
-    for name in wanted:
-        if name == "hand2":
-            out[name] = hand()
-        elif name == "hand_hook":  # the same loop with a Python comm hook that only counts: what a hook costs
+        if name == "hand_hook":  # the same loop with a Python comm hook that only counts: what a hook costs
             from accum_sched.backends import _counting_allreduce, _Counter
 
-            out[name] = hand((_Counter(), _counting_allreduce))
-        elif name in ENGINE_KWARGS:
-            model = build_model(w.model)
-            out[name] = Engine(AccumulationEngine(DDP(model, bucket_cap_mb=args.bucket_cap_mb),
-                                                  make_optimizer(w, model.parameters()), schedule,
-                                                  micro_batch_size=w.micro, **ENGINE_KWARGS[name]))
-        else:
-            raise SystemExit(f"--variants: unknown variant {name!r} (hand2, hand_hook, {', '.join(ENGINE_KWARGS)})")
-    return "hand", out
+            ddp.register_comm_hook(_Counter(), _counting_allreduce)
+        return HandWritten(ddp, make_optimizer(w, model.parameters()))
+    if name in ENGINE_KWARGS:
+        model = build_model(w.model)
+        return Engine(AccumulationEngine(DDP(model, bucket_cap_mb=args.bucket_cap_mb),
+                                         make_optimizer(w, model.parameters()), schedule, micro_batch_size=w.micro,
+                                         **ENGINE_KWARGS[name]))
+    raise SystemExit(f"--variants: unknown variant {name!r} (hand2, hand_hook, {', '.join(ENGINE_KWARGS)})")
 
 
 ENGINE_KWARGS = {"engine": {}, "engine_norm": {"norm_every": 1}, "engine_nohook": {"count_allreduce": False}}
@@ -195,47 +191,59 @@ def main() -> None:
     parser.add_argument("--deepspeed", type=int, default=None, metavar="STAGE")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.deepspeed is not None:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from accum_sched.deepspeed_backend import ensure_torch_extensions_dir
+
+        ensure_torch_extensions_dir()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     factors = [int(f) for f in args.factors.split(",")]
     w = Workload(model=args.model, batches=args.batches)
-    loader = DataLoader(TensorDataset(*rank_data(w, rank)), batch_size=w.micro)
-    # an engine runs one epoch per factor per round, so its schedule lists them in that order
-    schedule = {i: factors[i % len(factors)] for i in range(len(factors) * args.rounds)}
-    baseline, variants = build_variants(args, w, schedule)
-    names = list(variants)
-    wall = {f: {n: [] for n in names} for f in factors}
-    cpu = {f: {n: [] for n in names} for f in factors}
-    epoch = 0
+    data = rank_data(w, rank)
+    loader = DataLoader(TensorDataset(*data), batch_size=w.micro)
+    warmup = DataLoader(TensorDataset(*(t[:2 * w.micro] for t in data)), batch_size=w.micro)
+    # every round builds its variants afresh (epoch 0: a 2-micro-batch warm-up that lets DDP rebuild its buckets,
+    # then one epoch per factor), in a shuffled order, so that no variant keeps one memory layout all run long
+    schedule = {0: 1, **{1 + i: f for i, f in enumerate(factors)}}
+    order = random.Random(0)
+    wall, cpu, names = {f: {} for f in factors}, {f: {} for f in factors}, None
     for _ in range(args.rounds):
-        for factor in factors:
+        baseline, variants = build_variants(args, w, schedule, order)
+        names = names or list(variants)
+        run_epoch(variants, warmup, 1, 0, 2)
+        for epoch, factor in enumerate(factors, start=1):
             epoch_wall, epoch_cpu = run_epoch(variants, loader, factor, epoch, args.batches)
             for name in names:
-                wall[factor][name].append(epoch_wall[name])
-                cpu[factor][name].append(epoch_cpu[name])
-            epoch += 1
+                wall[factor].setdefault(name, []).append(epoch_wall[name])
+                cpu[factor].setdefault(name, []).append(epoch_cpu[name])
+        del variants
     for factor in factors:  # CPU seconds of both ranks: the work done, whatever the waiting for a busy machine
         for name in names:
             t = torch.tensor(cpu[factor][name], dtype=torch.float64)
             dist.all_reduce(t)
             cpu[factor][name] = t.tolist()
     if rank == 0:
-        what = f"DeepSpeed ZeRO-{args.deepspeed}" if args.deepspeed is not None else "DDP"
-        print(f"model {args.model}, {what}, {args.batches} micro-batches of {w.micro} per rank per epoch, "
-              f"{args.rounds - 1} rounds after a warm-up, window-interleaved; ratio = {baseline} time / variant "
-              f"time; torch {torch.__version__}, {os.cpu_count()} CPUs")
-        for factor in factors:
-            for name in names:
-                if name == baseline:
-                    continue
-                base_w, base_c = wall[factor][baseline][1:], cpu[factor][baseline][1:]
-                ratios = [b / v for b, v in zip(base_w, wall[factor][name][1:])]
-                cpu_ratios = [b / v for b, v in zip(base_c, cpu[factor][name][1:])]
-                print(f"factor {factor} {name:14s} wall {statistics.median(ratios):.3f} "
-                      f"[{min(ratios):.3f}-{max(ratios):.3f}]  cpu {statistics.median(cpu_ratios):.3f} "
-                      f"[{min(cpu_ratios):.3f}-{max(cpu_ratios):.3f}]  {baseline} epoch "
-                      f"{statistics.median(base_w):.3f} s", flush=True)
+        print_table(args, w, baseline, names, factors, wall, cpu)
     dist.destroy_process_group()
+
+
+def print_table(args, w: Workload, baseline: str, names: list, factors: list, wall: dict, cpu: dict) -> None:
+    what = f"DeepSpeed ZeRO-{args.deepspeed}" if args.deepspeed is not None else "DDP"
+    print(f"model {args.model}, {what}, {args.batches} micro-batches of {w.micro} per rank per epoch, "
+          f"{args.rounds - 1} rounds after a warm-up, window-interleaved; ratio = {baseline} time / variant "
+          f"time; torch {torch.__version__}, {os.cpu_count()} CPUs")
+    for factor in factors:
+        for name in names:
+            if name == baseline:
+                continue
+            base_w, base_c = wall[factor][baseline][1:], cpu[factor][baseline][1:]
+            ratios = [b / v for b, v in zip(base_w, wall[factor][name][1:])]
+            cpu_ratios = [b / v for b, v in zip(base_c, cpu[factor][name][1:])]
+            print(f"factor {factor} {name:14s} wall {statistics.median(ratios):.3f} "
+                  f"[{min(ratios):.3f}-{max(ratios):.3f}]  cpu {statistics.median(cpu_ratios):.3f} "
+                  f"[{min(cpu_ratios):.3f}-{max(cpu_ratios):.3f}]  {baseline} epoch "
+                  f"{statistics.median(base_w):.3f} s", flush=True)
 
 
 if __name__ == "__main__":
