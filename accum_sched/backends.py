@@ -200,6 +200,7 @@ class DDPBackend(TorchBackend):
         dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
         # counts ride in a bucket only where its dtype holds them exactly (window_stats: fp32 or wider)
         self._stats_in_bucket = self.hook is not None and dtypes <= {torch.float32, torch.float64}
+        self._stats_group = None if self._stats_in_bucket else collective.stats_group()
         self.stats_dtype = torch.float32 if self._stats_in_bucket else torch.float64
         # The hook's bucket norms cover every DDP parameter; use them only when those are the optimizer's.
         ddp_elements = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -215,7 +216,7 @@ class DDPBackend(TorchBackend):
             self.hook.pending_stats = stats
         else:
             self._stats = stats
-            self._stats_work = collective.all_sum_async(stats)
+            self._stats_work = collective.all_sum_async(stats, group=self._stats_group)
 
     def window_totals(self, want_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._stats_in_bucket:

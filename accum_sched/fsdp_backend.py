@@ -82,6 +82,7 @@ class FSDPBackend(TorchBackend):
                              f"{self.world_size}: only a 1-D data-parallel mesh over every rank is supported")
         self._sync: bool | None = None  # what the FSDP2 modules were last told (set only on a change)
         self._rounds = 0
+        self._stats_group = collective.stats_group()
 
     @property
     def allreduce_rounds(self) -> int:
@@ -124,7 +125,7 @@ class FSDPBackend(TorchBackend):
         """Before the last backward: start summing the window's numbers (overlapping that backward), unless the
         norm is wanted, when they are summed after it together with the shards' squared norm (one all-reduce)."""
         self._stats = stats.to(collective.comm_device())
-        self._stats_work = None if want_norm else collective.all_sum_async(self._stats)
+        self._stats_work = None if want_norm else collective.all_sum_async(self._stats, group=self._stats_group)
 
     def window_totals(self, want_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(summed window numbers, squared global norm if wanted): the shards are disjoint, so their squared norms
@@ -136,7 +137,7 @@ class FSDPBackend(TorchBackend):
                 work.wait()
             return stats, None
         squared = squared_norm(self._grads(), stats.device)
-        both = collective.all_sum(torch.cat([stats, squared.reshape(1)]))
+        both = collective.all_sum(torch.cat([stats, squared.reshape(1)]), group=self._stats_group)
         return both[:-1], both[-1]
 
     def _grads(self) -> list[torch.Tensor]:
