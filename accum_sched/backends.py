@@ -118,6 +118,10 @@ class TorchBackend:
         return [None if p.grad is None else p.grad.detach().cpu().clone()
                 for group in self.optimizer.param_groups for p in group["params"]]
 
+    def local_grad_tensors(self) -> list[torch.Tensor]:
+        """The open window's local gradients in place (to rescale them after a resume)."""
+        return self._grads()
+
     def load_local_grads(self, grads: list) -> None:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if len(grads) != len(params):

@@ -36,6 +36,7 @@ import torch
 from accum_sched import collective, window_stats
 from accum_sched.backends import is_deepspeed_engine, make_backend
 from accum_sched.schedule import AccumulationSchedule, Position
+from accum_sched.step_rules import scale_gradients
 
 log = logging.getLogger("accum_sched")
 
@@ -45,6 +46,7 @@ NONFINITE = ("skip", "raise")
 PRECISION = ("fp32", "bf16", "fp16")
 LR_COUPLING = ("none", "linear", "sqrt", "adascale")
 STOP_AT = ("boundary", "micro_batch")
+_LEGACY_SCALE = "legacy"  # an open window saved without its gradients' multiplier (see _rescale_window)
 
 
 @dataclass
@@ -216,6 +218,7 @@ class AccumulationEngine:
         self._prescale = 1.0  # loss multiplier of the open window (see _window_prescale)
         self._want_norm = False  # whether the open window's gradient norm is measured
         self._win_start: int | None = None  # micro-batch (in its epoch) where a window left open by a stop began
+        self._win_grad_scale = None  # the loss multiplier a resumed open window's gradients carry
 
         # stopping inside a window (see resume.py): needs a back end that can hand out its local gradients
         # (and no per-micro-batch state of its own outside the gradients: the noise scale's sums are not saved)
@@ -340,6 +343,8 @@ class AccumulationEngine:
             size = min(factor, total - consumed)
             self.factor = factor
             self._prescale = self._window_prescale(size)
+            if self._win_grad_scale is not None:  # the window left open by a stop goes on: its gradients' scale
+                self._rescale_window(size)
             for j in range(self.micro_in_epoch - consumed, size):
                 try:
                     batch = next(iterator)
@@ -435,6 +440,18 @@ class AccumulationEngine:
                 or not getattr(self.backend, "prescale_ok", False)):
             return 1.0
         return self._averaging / (self.micro_batch_size * size * self.world_size)
+
+    def _rescale_window(self, size: int) -> None:
+        """Bring the local gradients of a resumed open window to this window's loss multiplier. They carry the one
+        they were accumulated with; a checkpoint without it was written when the DDP back end averaged in its comm
+        hook, so its multiplier held the world size (``world / (micro x size x world)`` where one was used)."""
+        saved, self._win_grad_scale = self._win_grad_scale, None
+        if saved is _LEGACY_SCALE:
+            saved = self._prescale
+            if self._prescale != 1.0 and not self.backend.averages_over_world:
+                saved = self._prescale * self.world_size
+        if saved != self._prescale and saved:
+            scale_gradients(self.backend.local_grad_tensors(), self._prescale / saved)
 
     def _window_loss(self) -> torch.Tensor:
         """This rank's sum of the window's losses, on the losses' device: the loss itself for a window of one
@@ -594,6 +611,7 @@ class AccumulationEngine:
         }
         if self.window_open:
             state["window"] = {"start": self._win_start, "loss": float(self._window_loss()), "elements": float(self._win_n),
+                               "grad_scale": self._prescale,
                                "samples": self._win_samples, "grads": self.backend.local_grads()}
         return state
 
@@ -628,6 +646,8 @@ class AccumulationEngine:
         self._win_start = None if window is None else int(window["start"])
         self._win_losses = []
         self._win_loss_carried = 0.0 if window is None else float(window["loss"])
+        # the multiplier the saved local gradients carry (absent: written before this field, see _rescale_window)
+        self._win_grad_scale = None if window is None else window.get("grad_scale", _LEGACY_SCALE)
         self._win_n = None if window is None else torch.tensor(window["elements"], dtype=torch.float64)
         self._win_samples = 0 if window is None else int(window["samples"])
         if window is not None:
