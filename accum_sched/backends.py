@@ -12,7 +12,6 @@ None) and never waits for the device, so the engine reads everything with one ho
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import torch
@@ -21,10 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accum_sched import collective
 from accum_sched.ddp_hook import HookState, engine_hook
-from accum_sched.step_rules import gradient_scale, scale_gradients, scaled_lr, squared_norm
-
-
-_NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
+from accum_sched.step_rules import NO_CONTEXT, gradient_scale, scale_gradients, scaled_lr, squared_norm
 
 
 class TorchBackend:
@@ -55,7 +51,7 @@ class TorchBackend:
     # -- per micro-batch ----------------------------------------------------------------------------------------
     def sync_context(self, boundary: bool):
         """Entered around forward AND backward of a micro-batch; only the boundary one may communicate."""
-        return _NO_CONTEXT
+        return NO_CONTEXT
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.scaler is not None:
@@ -254,7 +250,7 @@ class DDPBackend(TorchBackend):
         return None if self.hook is None else self.hook.bytes
 
     def sync_context(self, boundary: bool):
-        return _NO_CONTEXT if boundary else self.model.no_sync()
+        return NO_CONTEXT if boundary else self.model.no_sync()
 
 
 def is_deepspeed_engine(model) -> bool:

@@ -73,14 +73,13 @@ def _first(fut):
 
 def engine_hook(state: HookState, bucket):
     buf = bucket.buffer()
-    index, last = bucket.index(), bucket.is_last()
-    state.bytes += buf.numel() * buf.element_size()
-    state._sizes[index] = buf.numel()
+    index, last, n = bucket.index(), bucket.is_last(), buf.numel()
+    state.bytes += n * buf.element_size()
+    state._sizes[index] = n
     if last:  # one backward = one round, however many buckets it takes
         state.rounds += 1
     for callback in state.before_reduce:
         callback(bucket)
-    n = buf.numel()
     carry = state.pending_stats is not None and (index == state._carrier or last)
     if carry:  # the tail holds the sums once DDP has waited for this bucket, at the backward's end
         flat, state.reduced_stats = state.carrier(buf, state.pending_stats)

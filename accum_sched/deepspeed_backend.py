@@ -37,7 +37,7 @@ import warnings
 import torch
 
 from accum_sched import collective
-from accum_sched.step_rules import gradient_scale, scale_gradients, scaled_lr, squared_norm
+from accum_sched.step_rules import NO_CONTEXT, gradient_scale, scale_gradients, scaled_lr, squared_norm
 
 
 def ensure_torch_extensions_dir() -> str:
@@ -145,7 +145,7 @@ class DeepSpeedBackend:
         """Tell DeepSpeed, before the forward, whether this micro-batch closes the window."""
         self._boundary = boundary
         self.ds.set_gradient_accumulation_boundary(boundary)
-        return contextlib.nullcontext()
+        return NO_CONTEXT
 
     def backward(self, loss: torch.Tensor) -> None:
         # scale_wrt_gas=False: DeepSpeed must not divide by its GAS; the engine divides the window's gradient by the

@@ -344,7 +344,7 @@ class AccumulationEngine:
             self.factor = factor
             self._prescale = self._window_prescale(size)
             if self._win_grad_scale is not None:  # the window left open by a stop goes on: its gradients' scale
-                self._rescale_window(size)
+                self._rescale_window()
             for j in range(self.micro_in_epoch - consumed, size):
                 try:
                     batch = next(iterator)
@@ -441,7 +441,7 @@ class AccumulationEngine:
             return 1.0
         return self._averaging / (self.micro_batch_size * size * self.world_size)
 
-    def _rescale_window(self, size: int) -> None:
+    def _rescale_window(self) -> None:
         """Bring the local gradients of a resumed open window to this window's loss multiplier. They carry the one
         they were accumulated with; a checkpoint without it was written when the DDP back end averaged in its comm
         hook, so its multiplier held the world size (``world / (micro x size x world)`` where one was used)."""

@@ -33,10 +33,10 @@ def scale_gradients(tensors: Sequence[torch.Tensor], scale: float) -> None:
 def scaled_lr(optimizer, scale: float):
     """Run the enclosed ``optimizer.step()`` at ``lr x scale`` (LR coupling), restoring every group's LR after, so the
     LR scheduler never sees the coupling. At scale 1 (no coupling: every step by default) a shared no-op context."""
-    return _UNSCALED if scale == 1.0 else _scaled_lr(optimizer, scale)
+    return NO_CONTEXT if scale == 1.0 else _scaled_lr(optimizer, scale)
 
 
-_UNSCALED = contextlib.nullcontext()
+NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing (a hot path's no-op context)
 
 
 @contextlib.contextmanager

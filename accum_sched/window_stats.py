@@ -50,8 +50,6 @@ def encode(elements, samples: int, loss: torch.Tensor, stop: bool, dtype: torch.
     host = _digits(samples) + [float(stop), 0.0]
     if isinstance(elements, torch.Tensor):
         out = torch.cat([_tensor_digits(elements).to(device, dtype), _host_vector(host, device, dtype)])
-    elif device.type == "cpu":
-        out = torch.tensor(_digits(elements) + host, dtype=dtype)
     else:
         out = _host_vector(_digits(elements) + host, device, dtype)
     out[SIZE - 1] = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())  # a NaN or inf stays one
