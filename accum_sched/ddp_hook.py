@@ -43,23 +43,50 @@ class HookState:
         self.reduced_stats: torch.Tensor | None = None  # ... and summed over ranks by the end of that backward
         self._sizes: dict[int, int] = {}
         self._carrier = 0  # bucket index that carries the stats (the smallest of the previous round)
+        self._grown = None  # (storage, offset, numel, dtype) of the bucket whose storage holds the stats' tail
         self._flat: torch.Tensor | None = None  # the carrier's buffer, kept: (bucket, stats) copied in, reduced in place
         self._parts: tuple[torch.Tensor, torch.Tensor] | None = None  # its (gradient, stats) views
 
     def carrier(self, buf: torch.Tensor, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``buf`` followed by ``stats`` in one tensor, and the view of its tail. The tensor is allocated once and
-        reused: a fresh one per step costs an allocation the size of the bucket (page faults on CPU), more than the
-        copy. Reusing it is safe: DDP copies the reduced bucket into ``.grad`` before the backward returns, and the
-        engine reads the tail before the next boundary backward."""
-        n = buf.numel()
-        flat = self._flat
-        if flat is None or flat.numel() != n + stats.numel() or flat.dtype != buf.dtype or flat.device != buf.device:
-            flat = self._flat = torch.empty(n + stats.numel(), dtype=buf.dtype, device=buf.device)
-            self._parts = (flat[:n], flat[n:])
-        head, tail = self._parts
-        head.copy_(buf)
+        """``buf`` followed by ``stats`` in one tensor, and the view of its tail.
+
+        Without a copy where it can: a DDP bucket owns its storage, which ends where the bucket does, so the first
+        time the storage is grown by the tail in place (``resize_`` keeps the storage object, so DDP's views of it
+        and every gradient that is a view of the bucket follow it to its new memory) and from then on the stats are
+        written after the gradients and the two are reduced as one tensor, without copying the bucket. Otherwise
+        (a bucket that shares its storage, or a storage that cannot grow) the bucket is copied into a buffer kept
+        for it, with the stats after it (a fresh buffer per step would cost an allocation the size of the bucket)."""
+        k = stats.numel()
+        flat = self._in_place(buf, k)
+        if flat is None:
+            n = buf.numel()
+            flat = self._flat
+            if flat is None or flat.numel() != n + k or flat.dtype != buf.dtype or flat.device != buf.device:
+                flat = self._flat = torch.empty(n + k, dtype=buf.dtype, device=buf.device)
+                self._parts = (flat[:n], flat[n:])
+            head, tail = self._parts
+            head.copy_(buf)
+        else:
+            tail = flat[buf.numel():]
         tail.copy_(stats)
         return flat, tail
+
+    def _in_place(self, buf: torch.Tensor, k: int) -> torch.Tensor | None:
+        """The bucket with ``k`` elements after it in its own storage (grown once), or None where that is unsafe."""
+        if not buf.is_contiguous():
+            return None
+        storage, size = buf.untyped_storage(), buf.element_size()
+        end = (buf.storage_offset() + buf.numel()) * size
+        key = (storage._cdata, buf.storage_offset(), buf.numel(), buf.dtype)
+        if key != self._grown or storage.nbytes() != end + k * size:
+            if storage.nbytes() != end:  # something else may live after the bucket: leave the storage alone
+                return None
+            try:
+                storage.resize_(end + k * size)
+            except RuntimeError:  # not resizable (memory it does not own)
+                return None
+            self._grown = key
+        return buf.new_empty(0).set_(storage, buf.storage_offset(), (buf.numel() + k,), (1,))
 
     def take_norm(self) -> torch.Tensor | None:
         """The squared norm of the last reduced gradient (float64, on the device), or None if it was not taken."""

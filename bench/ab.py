@@ -5,7 +5,8 @@
 
 A finer instrument than bench/run.py for the engine's own overhead. Every variant shares the processes, the data
 and the machine's load. Each round trains one epoch of every variant per factor, interleaved **window by window**:
-window 1 of every variant, then window 2 of every variant, ..., in an order rotated at every window, each window
+window 1 of every variant, then window 2 of every variant, ..., in an order shuffled at every window (so no variant always follows the same one and inherits its
+leftovers, such as a garbage collection its allocations triggered), each window
 started on both ranks together (a barrier, not timed). A variant's epoch time is the sum of its windows' times, so
 a burst of load from elsewhere hits every variant within a few tens of milliseconds of each other and cancels in
 the ratio (baseline epoch time / variant epoch time), taken per round. The engine steps lazily (when the next
@@ -158,8 +159,9 @@ def build_variant(name: str, args, w: Workload, schedule: dict):
 ENGINE_KWARGS = {"engine": {}, "engine_norm": {"norm_every": 1}, "engine_nohook": {"count_allreduce": False}}
 
 
-def run_epoch(variants: dict, loader, factor: int, epoch: int, batches: int) -> tuple[dict, dict]:
-    """One epoch of every variant, interleaved window by window; (wall, cpu) seconds per variant."""
+def run_epoch(variants: dict, loader, factor: int, epoch: int, batches: int, order: random.Random) -> tuple[dict, dict]:
+    """One epoch of every variant, interleaved window by window in an order shuffled at every window (``order`` is
+    seeded the same on every rank); (wall, cpu) seconds per variant."""
     names = list(variants)
     wall, cpu = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
 
@@ -172,8 +174,8 @@ def run_epoch(variants: dict, loader, factor: int, epoch: int, batches: int) -> 
 
     for name in names:
         variants[name].start(loader, factor, epoch)
-    for k, start in enumerate(range(0, batches, factor)):
-        for name in names[k % len(names):] + names[:k % len(names)]:  # rotated: no variant always goes first
+    for start in range(0, batches, factor):
+        for name in order.sample(names, len(names)):  # no variant always goes first, nor always follows another
             timed(name, variants[name].window, min(factor, batches - start))
     for name in names:
         timed(name, variants[name].finish)
@@ -211,9 +213,9 @@ def main() -> None:
     for _ in range(args.rounds):
         baseline, variants = build_variants(args, w, schedule, order)
         names = names or list(variants)
-        run_epoch(variants, warmup, 1, 0, 2)
+        run_epoch(variants, warmup, 1, 0, 2, order)
         for epoch, factor in enumerate(factors, start=1):
-            epoch_wall, epoch_cpu = run_epoch(variants, loader, factor, epoch, args.batches)
+            epoch_wall, epoch_cpu = run_epoch(variants, loader, factor, epoch, args.batches, order)
             for name in names:
                 wall[factor].setdefault(name, []).append(epoch_wall[name])
                 cpu[factor].setdefault(name, []).append(epoch_cpu[name])

@@ -142,8 +142,9 @@ def _rank_checks(rank: int, world: int, out_dir: str) -> None:
 
     def sparse_norm():  # no clipping, the norm every 2nd step only; micro-batch prescale on (full windows)
         case = cases.Case("layers-norm2", LAYERS.schedule, epochs=2, samples=(40, 38), kind="layers", lr=0.02)
+        # gradients that are views of DDP's buckets: they must follow a bucket whose storage the hook grew
         model, counts = _run_counted(case, rank, world, {"norm_every": 2, "micro_batch_size": case.micro},
-                                     {"bucket_cap_mb": BUCKET_CAP_MB})
+                                     {"bucket_cap_mb": BUCKET_CAP_MB, "gradient_as_bucket_view": True})
         torch.save(cases.params(model), os.path.join(out_dir, f"norm2-{rank}.pt"))
         return counts
 
@@ -175,6 +176,31 @@ def test_single_process_one_host_sync_per_step_none_per_micro_batch():
     ref = cases.reference(case, 1)
     for got, want in zip(cases.params(model), cases.params(ref)):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_carrier_grows_a_bucket_that_owns_its_storage_and_copies_one_that_does_not():
+    from accum_sched.ddp_hook import HookState
+
+    state = HookState(None)
+    bucket = torch.arange(6.0)
+    view = bucket[2:4]  # a gradient that is a view of the bucket, as DDP's are
+    for step in range(2):  # the storage grows once; the second round reuses its tail
+        stats = torch.full((3,), 10.0 + step)
+        flat, tail = state.carrier(bucket, stats)
+        assert flat.untyped_storage()._cdata == bucket.untyped_storage()._cdata  # no copy of the bucket
+        assert flat[:6].data_ptr() == bucket.data_ptr() and torch.equal(tail, stats)
+        flat.mul_(2)  # what the all-reduce does, in place
+        assert torch.equal(bucket, torch.arange(6.0) * 2 ** (step + 1))
+        assert torch.equal(view, torch.tensor([2.0, 3.0]) * 2 ** (step + 1))
+        assert torch.equal(tail, stats * 2)
+    assert state._flat is None
+
+    owner = torch.arange(8.0)
+    shared = owner[:6]  # memory after the bucket belongs to someone else: copied, never written past
+    flat, tail = state.carrier(shared, torch.full((3,), 7.0))
+    assert flat.data_ptr() != shared.data_ptr() and torch.equal(flat[:6], shared) and torch.equal(tail, torch.full((3,), 7.0))
+    flat.mul_(2)
+    assert torch.equal(owner, torch.arange(8.0))
 
 
 def _check_steps(counts, rank):
