@@ -5,14 +5,15 @@
 
 A finer instrument than bench/run.py for the engine's own overhead. Every variant shares the processes, the data
 and the machine's load. Each round trains one epoch of every variant per factor, interleaved **window by window**:
-window 1 of every variant, then window 2 of every variant, ..., in an order shuffled at every window (so no variant always follows the same one and inherits its
-leftovers, such as a garbage collection its allocations triggered), each window
-started on both ranks together (a barrier, not timed). A variant's epoch time is the sum of its windows' times, so
-a burst of load from elsewhere hits every variant within a few tens of milliseconds of each other and cancels in
-the ratio (baseline epoch time / variant epoch time), taken per round. The engine steps lazily (when the next
-micro-batch is asked for, or at the end of the epoch), so its step lands in its next window's time; the sum over the
-epoch counts everything once. The first round is a warm-up and is dropped. Printed: median [min-max] of the
-per-round ratios, wall clock and CPU time (both ranks, all threads).
+window 1 of every variant, then window 2 of every variant, ..., in an order shuffled at every window (the same on
+both ranks; a fixed rotation would make each variant always follow the same one and inherit its leftovers, such as
+a garbage collection its allocations triggered), each window started on both ranks together (a barrier, not timed).
+A variant's epoch time is the sum of its windows' times, so a burst of load from elsewhere hits every variant
+within a few tens of milliseconds of each other and cancels in the ratio (baseline epoch time / variant epoch
+time), taken per round. The engine steps lazily (when the next micro-batch is asked for, or at the end of the
+epoch), so its step lands in its next window's time; the sum over the epoch counts everything once. The first round
+is a warm-up and is dropped. Printed: median [min-max] of the per-round ratios, wall clock and CPU time (both ranks,
+all threads).
 
 ``hand2`` is a second, identical hand-written loop: its row is the instrument's own noise (an A/A test), to read
 the other rows against.
@@ -21,8 +22,8 @@ DDP variants: ``hand`` (baseline: plain DDP, no comm hook, no_sync off the bound
 ``hand2`` (the same again), ``engine`` (the defaults: no gradient norm, as in the hand-written loop),
 ``engine_norm`` (``norm_every=1``: the norm and non-finite-gradient check at every step, taken in the comm hook),
 ``engine_nohook`` (``count_allreduce=False``: no comm hook; the window's numbers take one small all-reduce
-overlapping the last backward), ``hand_hook`` (the baseline with a Python comm hook that only counts rounds: what
-any Python hook costs). ``--deepspeed STAGE``: ``alone`` (baseline: DeepSpeed's own GAS, step() every
+overlapping the last backward), ``hand_hook`` (the baseline with the library's counting comm hook, which
+wraps torch's Python allreduce hook: that one divides every bucket by the world size, one more pass). ``--deepspeed STAGE``: ``alone`` (baseline: DeepSpeed's own GAS, step() every
 micro-batch), ``alone2`` (the same again) and ``engine`` (accum_sched driving the same DeepSpeed configuration).
 """
 from __future__ import annotations
@@ -143,7 +144,7 @@ def build_variant(name: str, args, w: Workload, schedule: dict):
     if name in ("hand", "hand2", "hand_hook"):
         model = build_model(w.model)
         ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
-        if name == "hand_hook":  # the same loop with a Python comm hook that only counts: what a hook costs
+        if name == "hand_hook":  # the same loop with the counting hook (torch's dividing Python hook inside)
             from accum_sched.backends import _counting_allreduce, _Counter
 
             ddp.register_comm_hook(_Counter(), _counting_allreduce)
