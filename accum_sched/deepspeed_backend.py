@@ -14,10 +14,13 @@ How a window runs (DeepSpeed's managed mode, boundary set by us):
   over that storage in one fused pass, multiply the storage in place by the engine's coefficient (times torch's
   clipping factor), and call ``step()``, which runs DeepSpeed's optimizer, LR scheduler and counters. Scaling a
   partition is exact: the full gradient is the concatenation of the partitions, so scaling each one scales the whole.
-* the window's numbers (counts, loss, flags) cannot ride in DeepSpeed's own gradient reduction, so they take one
-  small all-reduce per step: started before the last backward so that it overlaps it, or, when a partitioned norm
-  must be summed too (ZeRO 1-3 with the norm wanted), after the backward, together with the partition's squared norm
-  in the same all-reduce. Either way one small collective per optimizer step, never two.
+* the window's numbers (counts, loss, flags): without ZeRO, in fp32, they ride at the end of the first gradient
+  bucket DeepSpeed flattens and all-reduces at the boundary (its ``allreduce_bucket``, wrapped on this engine
+  instance; the flattening copies every gradient anyway, so they cost no collective and no pass of their own). At
+  ZeRO 1-3 (whose reductions are partitioned and stage-specific) and in bf16 they take one small all-reduce per
+  step: started before the last backward so that it overlaps it, or, when a partitioned norm must be summed too
+  (ZeRO 1-3 with the norm wanted), after the backward, together with the partition's squared norm in the same
+  all-reduce. Either way at most one small collective per optimizer step, never two.
 * a skipped step (non-finite gradient, empty window) runs ``step()`` with the inner torch optimizer's ``step``
   replaced by a no-op: DeepSpeed clears its buffers and advances its counters, the weights do not move.
 
@@ -130,6 +133,12 @@ class DeepSpeedBackend:
         self._stats: torch.Tensor | None = None
         self._stats_work = None
         self._stats_group = collective.stats_group()
+        self._pending: torch.Tensor | None = None  # the numbers waiting for the boundary's first fp32 bucket
+        self._carried: torch.Tensor | None = None  # ... and summed in it (divided as DeepSpeed divides gradients)
+        self._carrying = False  # this window's numbers were handed to the bucket
+        if self._can_carry():
+            self.stats_dtype = torch.float32  # the bucket's; base-4096 digits keep the counts exact in it
+            self._wrap_allreduce_bucket()
 
     # -- counters (DeepSpeed launches its own collectives; they are not counted here) ---------------------------
     @property
@@ -174,17 +183,56 @@ class DeepSpeedBackend:
 
     stats_dtype = torch.float64
 
+    def _can_carry(self) -> bool:
+        """Whether the window's numbers can ride in DeepSpeed's own gradient all-reduce: no ZeRO (one flattened
+        all-reduce of whole gradients per bucket), fp32 gradients and communication, no expert parallelism."""
+        ds = self.ds
+        return (collective.is_distributed() and not ds.zero_optimization() and not ds.fp16_enabled()
+                and not ds.bfloat16_enabled() and getattr(ds, "communication_data_type", None) == torch.float32
+                and not getattr(ds, "has_moe_layers", False) and callable(getattr(ds, "allreduce_bucket", None)))
+
+    def _wrap_allreduce_bucket(self) -> None:
+        """Wrap this engine's ``allreduce_bucket(bucket, group, world)``, which flattens a list of gradients,
+        all-reduces the flat tensor and returns it (DeepSpeed then copies each gradient back from its offset, so a
+        tail after them is ignored): the first fp32 bucket of the boundary gets the window's numbers appended."""
+        original = self.ds.allreduce_bucket
+
+        def allreduce_bucket(bucket, dp_group, dp_world_size=None):
+            stats = self._pending
+            if stats is None or bucket[0].dtype != torch.float32 or bucket[0].is_sparse:
+                return original(bucket, dp_group, dp_world_size)
+            self._pending = None
+            out = original([*bucket, stats.to(bucket[0].device)], dp_group, dp_world_size)
+            self._carried = out[-stats.numel():].clone()  # the flat bucket is DeepSpeed's to free
+            return out
+
+        self.ds.allreduce_bucket = allreduce_bucket
+
     def send_window_stats(self, stats: torch.Tensor, want_norm: bool) -> None:
-        """Start summing the window's numbers before the last backward, unless they will be folded with the
-        partition norm after it (one small all-reduce per step either way)."""
-        self._stats = stats.to(collective.comm_device())
+        """Hand the window's numbers to the boundary's gradient all-reduce where they can ride in it; else start
+        summing them before the last backward, unless they will be folded with the partition norm after it (one
+        small all-reduce per step either way)."""
         self._stats_work = None
+        if self.stats_dtype == torch.float32:
+            self._stats, self._pending, self._carried, self._carrying = stats, stats, None, True
+            return
+        self._stats = stats.to(collective.comm_device())
         if not (want_norm and self._partitioned):
             self._stats_work = collective.all_sum_async(self._stats, group=self._stats_group)
+
+    def _take_carried(self, stats: torch.Tensor) -> torch.Tensor:
+        """The numbers summed inside the gradient all-reduce, undivided; summed now if no fp32 bucket came (every
+        rank reduces the same buckets, so every rank takes the same branch)."""
+        carried, self._carried, self._pending, self._carrying = self._carried, None, None, False
+        if carried is None:
+            return collective.all_sum(stats.to(collective.comm_device()), group=self._stats_group)
+        return carried * self.world_size if self.averages_over_world else carried
 
     def window_totals(self, want_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(summed window numbers, squared global norm of the reduced, un-normalised gradient if wanted)."""
         stats, self._stats = self._stats, None
+        if self._carrying:
+            stats = self._take_carried(stats)
         if not want_norm:
             if self._stats_work is not None:
                 self._stats_work.wait()

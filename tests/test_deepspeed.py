@@ -10,6 +10,7 @@ gradient_clipping of 1.0) moves parameters by 1e-3 or more.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -19,8 +20,9 @@ import pytest
 import torch
 
 import cases
-from accum_sched import AccumulationSchedule
+from accum_sched import AccumulationSchedule, window_stats
 from distributed import spawn
+from test_perf_counts import CollectiveCounter
 
 if importlib.util.find_spec("deepspeed") is None:  # not imported here: the fixture sets DS_ACCELERATOR first
     pytest.skip("deepspeed is not installed (pip install -e .[deepspeed])", allow_module_level=True)
@@ -34,6 +36,7 @@ EXACT_CASES = ("sgd-changing-partial", "adamw-clip", "sgd-clip-short-epoch", "to
 DS_OPT = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01, "torch_adam": True}}
 DS_SCHED = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.002, "warmup_max_lr": 0.01, "warmup_num_steps": 6,
                                            "warmup_type": "linear"}}
+COUNTED_CLIP = 0.5  # the counted runs clip, so the norm is wanted at every step
 NAN_AT = (0, 1)  # (epoch, micro-batch) whose loss is NaN on rank 1: the first window of factor 1 at epoch 0
 
 
@@ -62,7 +65,7 @@ def _nan_loss(loss_fn, rank: int):
 
 
 def _train_ds(case, rank: int, stage: int, *, config: dict | None = None, client_optimizer: bool = True,
-              precision: str = "fp32", clip=None, nan: bool = False, **engine_kwargs) -> dict:
+              precision: str = "fp32", clip=None, nan: bool = False, count: bool = False, **engine_kwargs) -> dict:
     import deepspeed
 
     from accum_sched import AccumulationEngine
@@ -74,14 +77,19 @@ def _train_ds(case, rank: int, stage: int, *, config: dict | None = None, client
     ds_engine, *_ = deepspeed.initialize(model=model, config=config or ds_config(case, stage), **kwargs)
     engine = AccumulationEngine(ds_engine, None, case.schedule, max_grad_norm=clip, precision=precision,
                                 **engine_kwargs)
-    steps = []
+    steps, collectives = [], []
     engine.on_step(steps.append)
     loss_fn, seen = _nan_loss(cases.loss_fn_for(case.kind), rank) if nan else (cases.loss_fn_for(case.kind), None)
-    for epoch in range(case.epochs):
-        if seen is not None:
-            seen.update(epoch=epoch, i=0)
-        engine.train_epoch(cases.rank_batches(case, rank, epoch), loss_fn, epoch)
-    return {"state": consolidated_state_dict(ds_engine), "optimizer": type(ds_engine.optimizer).__name__,
+    # count: every torch.distributed collective launched while training, listed per optimizer step (an
+    # independent count, test_perf_counts.CollectiveCounter)
+    with CollectiveCounter() if count else contextlib.nullcontext() as counter:
+        if counter is not None:
+            engine.on_step(lambda info: collectives.append(counter.calls[sum(map(len, collectives)):]))
+        for epoch in range(case.epochs):
+            if seen is not None:
+                seen.update(epoch=epoch, i=0)
+            engine.train_epoch(cases.rank_batches(case, rank, epoch), loss_fn, epoch)
+    return {"collectives": collectives, "state": consolidated_state_dict(ds_engine), "optimizer": type(ds_engine.optimizer).__name__,
             "steps": [s.to_dict() for s in steps], "counters": engine.counters(),
             "ds": {"global_steps": ds_engine.global_steps, "global_samples": ds_engine.global_samples,
                    "gas": ds_engine.gradient_accumulation_steps(), "train_batch_size": ds_engine.train_batch_size()}}
@@ -167,6 +175,9 @@ def _worker(rank: int, world: int, out: str) -> None:
         # a non-finite loss on one rank: the step is skipped everywhere (our no-op step / ZeRO's overflow path)
         for stage in (0, 2, 3):
             runs[f"z{stage}/nan"] = _train_ds(sgd, rank, stage, nan=True)
+        clipped = dataclasses.replace(sgd, clip=COUNTED_CLIP)
+        for stage in (0, 2):  # collectives per step, counted outside the engine
+            runs[f"z{stage}/counted"] = _train_ds(clipped, rank, stage, clip=clipped.clip, count=True)
         # bf16 weights: no ZeRO (FP16_UnfusedOptimizer), ZeRO 1 with fp32 accumulation (BF16_Optimizer), ZeRO 2/3
         fp32_accum = {"data_types": {"grad_accum_dtype": "fp32"}}
         for stage, extra in ((0, {}), (1, fp32_accum), (2, {}), (3, fp32_accum)):
@@ -261,6 +272,26 @@ def test_zero_stage_equals_reference_and_ddp(runs, stage):
         assert ds["gas"] == last_factor and ds["train_batch_size"] == case.micro * last_factor * WORLD
         assert [s["factor"] for s in steps] == [schedule.factor(s["epoch"]) for s in steps]
         assert any(s["micro_batches"] < s["factor"] for s in steps)  # partial windows were exercised
+
+
+@pytest.mark.parametrize("stage", (0, 2))
+def test_small_collectives_per_step(runs, stage):
+    """No ZeRO: the window's numbers ride in DeepSpeed's own gradient all-reduce, so a step has no small collective
+    (one at an epoch start: the agreement). ZeRO 2: one small all-reduce of ours per step, holding the numbers and
+    the partition's squared norm together (clipping wants the norm)."""
+    case = dataclasses.replace(BY_NAME["sgd-changing-partial"], clip=COUNTED_CLIP)
+    run = runs[f"z{stage}/counted"]
+    assert_params_close(run["state"], reference(case)["state"], f"ZeRO {stage} counted")
+    steps = run["steps"]
+    assert len(run["collectives"]) == len(steps) > 0
+    for i, (step, calls) in enumerate(zip(steps, run["collectives"])):
+        epoch_start = i == 0 or steps[i - 1]["epoch"] != step["epoch"]
+        small = [c for c in calls if c[1] <= 64]
+        numbers = [c for c in small if c[1] in (window_stats.SIZE, window_stats.SIZE + 1)]  # with the norm or not
+        assert len(numbers) == int(stage != 0), (stage, i, calls)
+        if stage == 0:  # DeepSpeed's ZeRO 2 adds small collectives of its own (its overflow flag), alone as well
+            assert len(small) == int(epoch_start), (stage, i, calls)
+        assert any(n > 64 for _, n in calls), (stage, i, calls)  # the gradients' own collectives were seen
 
 
 def test_deepspeed_gradient_clipping_acts_on_the_normalised_gradient(runs):
