@@ -8,8 +8,9 @@
 * the window's numbers (:mod:`accum_sched.window_stats`) ride at the end of one bucket of the boundary backward, so
   summing them over ranks costs no collective of its own. DDP reads each gradient from its offset in the tensor the
   hook's future returns, so the extra tail is simply ignored by DDP. The carrier is the smallest bucket of the
-  previous round (copying it, with the tail, into a buffer kept for the purpose is the only extra work), or the
-  last bucket if that one never came; every rank makes the same choice because DDP gives every rank the same buckets;
+  previous round, or the last bucket if that one never came; every rank makes the same choice because DDP gives
+  every rank the same buckets. The tail lives in the carrier's own storage, grown once (:meth:`HookState.carrier`),
+  so carrying costs writing 8 numbers, not a copy of the bucket;
 * the squared norm of each reduced bucket, when the engine asked for the norm of this window, taken in the future's
   callback while the backward still runs, with the bucket still in cache;
 * callbacks per bucket, before and after its reduction (``before_reduce(bucket)`` while the bucket holds this
