@@ -135,8 +135,8 @@ class DeepSpeedBackend:
         self._stats_group = collective.stats_group()
         self._pending: torch.Tensor | None = None  # the numbers waiting for the boundary's first fp32 bucket
         self._carried: torch.Tensor | None = None  # ... and summed in it (divided as DeepSpeed divides gradients)
-        self._carrying = False  # this window's numbers were handed to the bucket
-        if self._can_carry():
+        self._carry = self._can_carry()  # the numbers ride in DeepSpeed's gradient all-reduce (decided once)
+        if self._carry:
             self.stats_dtype = torch.float32  # the bucket's; base-4096 digits keep the counts exact in it
             self._wrap_allreduce_bucket()
 
@@ -213,8 +213,9 @@ class DeepSpeedBackend:
         summing them before the last backward, unless they will be folded with the partition norm after it (one
         small all-reduce per step either way)."""
         self._stats_work = None
-        if self.stats_dtype == torch.float32:
-            self._stats, self._pending, self._carried, self._carrying = stats, stats, None, True
+        if self._carry:
+            self._stats = self._pending = stats
+            self._carried = None  # never a previous window's sums
             return
         self._stats = stats.to(collective.comm_device())
         if not (want_norm and self._partitioned):
@@ -223,7 +224,7 @@ class DeepSpeedBackend:
     def _take_carried(self, stats: torch.Tensor) -> torch.Tensor:
         """The numbers summed inside the gradient all-reduce, undivided; summed now if no fp32 bucket came (every
         rank reduces the same buckets, so every rank takes the same branch)."""
-        carried, self._carried, self._pending, self._carrying = self._carried, None, None, False
+        carried, self._carried, self._pending = self._carried, None, None
         if carried is None:
             return collective.all_sum(stats.to(collective.comm_device()), group=self._stats_group)
         return carried * self.world_size if self.averages_over_world else carried
@@ -231,7 +232,7 @@ class DeepSpeedBackend:
     def window_totals(self, want_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(summed window numbers, squared global norm of the reduced, un-normalised gradient if wanted)."""
         stats, self._stats = self._stats, None
-        if self._carrying:
+        if self._carry:
             stats = self._take_carried(stats)
         if not want_norm:
             if self._stats_work is not None:

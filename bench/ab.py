@@ -22,9 +22,10 @@ DDP variants: ``hand`` (baseline: plain DDP, no comm hook, no_sync off the bound
 ``hand2`` (the same again), ``engine`` (the defaults: no gradient norm, as in the hand-written loop),
 ``engine_norm`` (``norm_every=1``: the norm and non-finite-gradient check at every step, taken in the comm hook),
 ``engine_nohook`` (``count_allreduce=False``: no comm hook; the window's numbers take one small all-reduce
-overlapping the last backward), ``hand_hook`` (the baseline with the library's counting comm hook, which
-wraps torch's Python allreduce hook: that one divides every bucket by the world size, one more pass). ``--deepspeed STAGE``: ``alone`` (baseline: DeepSpeed's own GAS, step() every
-micro-batch), ``alone2`` (the same again) and ``engine`` (accum_sched driving the same DeepSpeed configuration).
+overlapping the last backward), ``hand_hook`` (the baseline with the library's counting comm hook, which wraps
+torch's Python allreduce hook: that one divides every bucket by the world size, one more pass). ``--deepspeed
+STAGE``: ``alone`` (baseline: DeepSpeed's own GAS, step() every micro-batch), ``alone2`` (the same again) and
+``engine`` (accum_sched driving the same DeepSpeed configuration).
 """
 from __future__ import annotations
 

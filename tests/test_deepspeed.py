@@ -89,8 +89,8 @@ def _train_ds(case, rank: int, stage: int, *, config: dict | None = None, client
             if seen is not None:
                 seen.update(epoch=epoch, i=0)
             engine.train_epoch(cases.rank_batches(case, rank, epoch), loss_fn, epoch)
-    return {"collectives": collectives, "state": consolidated_state_dict(ds_engine), "optimizer": type(ds_engine.optimizer).__name__,
-            "steps": [s.to_dict() for s in steps], "counters": engine.counters(),
+    return {"state": consolidated_state_dict(ds_engine), "optimizer": type(ds_engine.optimizer).__name__,
+            "steps": [s.to_dict() for s in steps], "counters": engine.counters(), "collectives": collectives,
             "ds": {"global_steps": ds_engine.global_steps, "global_samples": ds_engine.global_samples,
                    "gas": ds_engine.gradient_accumulation_steps(), "train_batch_size": ds_engine.train_batch_size()}}
 
