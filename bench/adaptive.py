@@ -46,7 +46,7 @@ def _worker(rank: int, world: int, store: str, args, name: str, out: str) -> Non
     from torch.utils.data import DataLoader, DistributedSampler, Subset
 
     from accum_sched import AccumulationEngine
-    from launcher.builtin_tasks import charlm, pad_batch
+    from launcher.tasks.builtin import charlm, pad_batch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)

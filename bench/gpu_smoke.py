@@ -38,7 +38,7 @@ def probe_task(**args):
 
     import torch
 
-    from launcher.builtin_tasks import regression
+    from launcher.tasks.builtin import regression
 
     task = regression(**args)
     inner, calls = task["loss_fn"], [0]
@@ -67,7 +67,8 @@ def probe_task(**args):
 
 def slow_save_worker(argv) -> int:
     """launcher.worker.main with rank 0 taking 20 s over its first checkpoint commit (hash + fsync stand-in)."""
-    from launcher import checkpoint_store, worker
+    from launcher.checkpoint import store as checkpoint_store
+    from launcher import worker
 
     commit, slept = checkpoint_store.commit, []
 

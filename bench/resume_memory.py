@@ -2,7 +2,7 @@
 
     python bench/resume_memory.py [--mb 400]
 
-Writes a trainer.pt like launcher/checkpoint.py does (model + AdamW state, about 3x the model), then loads it in a
+Writes a trainer.pt like launcher/checkpoint/checkpointer.py does (model + AdamW state, about 3x the model), then loads it in a
 fresh process each way and restores model and optimizer from it. Reported, at the moment both the loaded dict and
 the restored model are alive (the peak): RssAnon (private: every rank of a node pays it), RssFile (file pages: one
 page-cache copy per node, shared by its ranks and reclaimable).
@@ -46,9 +46,9 @@ def load(path: str, mmap: bool, mb: int) -> dict:
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if mmap:
-        from launcher.checkpoint import own_optimizer_state
+        from launcher.checkpoint.checkpointer import own_optimizer_state
 
-        own_optimizer_state(optimizer)  # what launcher/checkpoint.py does after an mmap load
+        own_optimizer_state(optimizer)  # what launcher/checkpoint/checkpointer.py does after an mmap load
     peak = status()
     return {"mmap": mmap, "before": base, "after_load": peak}
 

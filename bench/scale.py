@@ -3,7 +3,7 @@
 1. resume: seconds from making the epoch's loader to its first micro-batch, resuming at 0..95% of an epoch, by
    replaying (iterate and drop, as the engine's skip=True does) and by ResumeSampler (the launcher's way), with
    DataLoader workers 0 and 2; samples cost ``--load-ms`` each to load (a stand-in for decoding);
-2. planning a token-keyed run's step total: one shared pass + indices (launcher/plan.py) vs collating every shard
+2. planning a token-keyed run's step total: one shared pass + indices (launcher/train/plan.py) vs collating every shard
    of every epoch (the old way), by dataset size;
 3. signal -> committed checkpoint: `accum-sched run` (2 gloo workers, micro-batches of ``--micro-s``) gets SIGTERM
    1 s into its first window; by accumulation factor, next to when that window would have ended;
@@ -33,8 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from accum_sched import AccumulationSchedule, ResumeSampler  # noqa: E402
-from launcher import checkpoint_store as store  # noqa: E402
-from launcher import plan  # noqa: E402
+from launcher.checkpoint import store  # noqa: E402
+from launcher.train import plan  # noqa: E402
 from launcher.tasks import Task  # noqa: E402
 
 

@@ -67,7 +67,7 @@ def imports(env: dict, runs: int) -> list[tuple[str, str]]:
 
 def check_command(env: dict, config: str, runs: int) -> tuple[str, str]:
     label = f"accum-sched check {os.path.relpath(config, ROOT)}"
-    if importlib.util.find_spec("launcher.cmd_check") is None:
+    if importlib.util.find_spec("launcher.cli.check") is None:
         return label, "skipped: the check subcommand does not exist yet"
     code = ("import io, contextlib; from launcher.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
@@ -120,7 +120,7 @@ def run_to_first_step(env: dict, config: str, runs: int) -> list[tuple[str, str]
                      f"{statistics.median(p for p in plain if p is not None):.1f} s"
                      if any(p is not None for p in plain) else "failed"))
         label = f"accum-sched run {os.path.relpath(config, ROOT)}, 2 ranks: launch -> 1st step"
-        if importlib.util.find_spec("launcher.cmd_run") is None:
+        if importlib.util.find_spec("launcher.cli.run") is None:
             rows.append((label, "skipped: the run subcommand does not exist yet"))
             return rows
         times = []

@@ -9,7 +9,7 @@ import os
 import socket
 from pathlib import Path
 
-from launcher.builtin_tasks import regression
+from launcher.tasks.builtin import regression
 
 NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
          "SLURM_LOCALID", "SLURM_NODEID")

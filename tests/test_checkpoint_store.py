@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from launcher import checkpoint_store as store
+from launcher.checkpoint import store
 from launcher.config import validate
 from launcher.errors import ConfigError
 
@@ -128,7 +128,7 @@ def test_redealt_order_and_rng_states_survive_weights_only():
     import torch
     from torch.utils.data import DistributedSampler
 
-    from launcher.checkpoint import deal, global_order, rng_state, set_rng_state
+    from launcher.checkpoint.checkpointer import deal, global_order, rng_state, set_rng_state
 
     data = list(range(37))
     order = global_order(data, epoch=3, world=2, shuffle=True, seed=5)

@@ -57,7 +57,7 @@ BAD = [
     ("optimizer-name", CONTRACT.replace("name: adamw", "name: adamx"), [], "optimizer.name"),
     ("scheduler-name", CONTRACT.replace("name: cosine", "name: cosin"), [], "lr_scheduler.name"),
     ("task-module", CONTRACT.replace("builtin:regression", "no_such_module_xyz:make"), [], "task.target"),
-    ("task-function", CONTRACT.replace("builtin:regression", "launcher.builtin_tasks:nope"), [], "task.target"),
+    ("task-function", CONTRACT.replace("builtin:regression", "launcher.tasks.builtin:nope"), [], "task.target"),
     ("task-builtin", CONTRACT.replace("builtin:regression", "builtin:nope"), [], "task.target"),
     ("task-format", CONTRACT.replace("builtin:regression", "just_a_module"), [], "task.target"),
     ("yaml-syntax", CONTRACT.replace("epochs: 12}", "epochs: 12"), [], "config"),

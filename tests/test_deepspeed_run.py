@@ -221,7 +221,7 @@ def test_existing_json_and_our_key_become_the_schedule(tmp_path):
 
 def test_deepspeed_config_handed_to_deepspeed():
     """What DeepSpeed receives: batch keys from the schedule, our key gone, no silent clipping at 1.0."""
-    from launcher import deepspeed_setup
+    from launcher.backends import deepspeed as deepspeed_setup
 
     cfg = load_config(os.path.join(ROOT, "configs", "deepspeed.yaml"))
     ds = deepspeed_setup.deepspeed_config(cfg, 2, client_optimizer=True)
@@ -233,7 +233,7 @@ def test_deepspeed_config_handed_to_deepspeed():
 def test_deepspeed_throughput_timer_off_unless_the_json_asks(tmp_path):
     """DeepSpeed's throughput timer synchronises the device at every forward and step(): off by default, the
     user's own "timers" section kept as written."""
-    from launcher import deepspeed_setup
+    from launcher.backends import deepspeed as deepspeed_setup
 
     cfg = load_config(os.path.join(ROOT, "configs", "deepspeed.yaml"))
     assert deepspeed_setup.deepspeed_config(cfg, 2, client_optimizer=True)["timers"] == {

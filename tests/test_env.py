@@ -1,4 +1,4 @@
-"""launcher.env: which launcher started this process, from environment tables (pure functions, fake env dicts).
+"""launcher.launch.env: which launcher started this process, from environment tables (pure functions, fake env dicts).
 
 The same detection under a real srun is checked in test_slurm_cluster.py."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from launcher.env import (LaunchEnv, LaunchEnvError, as_torch_env, check_devices, choose_device, cuda_index, detect,
+from launcher.launch.env import (LaunchEnv, LaunchEnvError, as_torch_env, check_devices, choose_device, cuda_index, detect,
                           expand_nodelist, expand_tasks_per_node, slurm_port)
 from launcher.errors import ConfigError
 
@@ -109,7 +109,7 @@ def test_as_torch_env_round_trips():
 
 
 def test_env_never_imports_torch():
-    code = "import sys, launcher.env; sys.exit('torch' in sys.modules)"
+    code = "import sys, launcher.launch.env; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

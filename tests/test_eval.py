@@ -157,7 +157,7 @@ def test_early_stop_on_three_ranks_with_optimizer_by_import_path(tmp_path):
 
 
 def test_report_reads_eval_lines():
-    from launcher import report
+    from launcher.report import render as report
 
     text = ['{"epoch": 0, "step": 4, "val_loss": 0.5}', '{"epoch": 1, "step": 8, "val_loss": 0.3}',
             '{"epoch": 1, "step": 6, "val_loss": 0.4}', '{"epoch": 2, "step": 9, "val_lo']  # rewound, torn

@@ -77,10 +77,10 @@ def full_params(model: nn.Module) -> list[torch.Tensor]:
 
 
 def launcher_shard(model: nn.Module, **options) -> nn.Module:
-    """The launcher's wrapping (launcher/fsdp_setup.py) with distributed.fsdp ``options`` over the defaults."""
+    """The launcher's wrapping (launcher/backends/fsdp.py) with distributed.fsdp ``options`` over the defaults."""
     import types
 
-    from launcher import fsdp_setup
+    from launcher.backends import fsdp as fsdp_setup
     from launcher.config import FSDP_SCHEMA
 
     values = {**{k: f.default for k, f in FSDP_SCHEMA.items()}, **options}

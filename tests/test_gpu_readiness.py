@@ -40,8 +40,8 @@ def small_config(tmp: str, **distributed):
 def _coordination(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
 
-    from launcher import coordination
-    from launcher.checkpoint import Checkpointer
+    from launcher.train import coordination
+    from launcher.checkpoint.checkpointer import Checkpointer
 
     # the training group as a worker has it, with a short timeout standing in for distributed.timeout_s
     dist.destroy_process_group()
@@ -198,7 +198,7 @@ def test_fp16_with_a_disagreeing_deepspeed_json_stops_before_launch(tmp_path, na
 
 # -- 16.4: one parse of the DeepSpeed JSON, no import circle ------------------------------------------------------
 def test_deepspeed_json_is_parsed_once_and_setup_does_not_import_config(tmp_path, monkeypatch):
-    from launcher import deepspeed_setup
+    from launcher.backends import deepspeed as deepspeed_setup
     from launcher.config import load_config
 
     ds = tmp_path / "ds.json"
@@ -216,7 +216,7 @@ def test_deepspeed_json_is_parsed_once_and_setup_does_not_import_config(tmp_path
     handed = deepspeed_setup.deepspeed_config(cfg, 2, client_optimizer=True)  # ... and what it hands DeepSpeed
     assert len(reads) == 1, reads
     assert cfg.schedule.milestones == ((0, 1), (2, 2)) and "accum_sched" not in handed
-    probe = "import sys, launcher.deepspeed_setup; sys.exit('launcher.config' in sys.modules)"
+    probe = "import sys, launcher.backends.deepspeed; sys.exit('launcher.config' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Co
 
 from launcher.cli import main as cli_main  # noqa: E402
 from launcher.errors import ConfigError  # noqa: E402
-from launcher.hf_task import hf_causal_lm  # noqa: E402
+from launcher.tasks.hf import hf_causal_lm  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "launcher", "data", "corpus.txt")

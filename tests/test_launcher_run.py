@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cases import launcher_shards
-from launcher.builtin_tasks import regression
+from launcher.tasks.builtin import regression
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCUM = [sys.executable, "-m", "launcher"]

@@ -1,4 +1,4 @@
-"""Optimizers and LR schedulers by import path (launcher/optim.py), in one process: what they build, that training
+"""Optimizers and LR schedulers by import path (launcher/train/optim.py), in one process: what they build, that training
 with them through the engine equals plain torch, and the one-line errors naming the field (before launch where
 possible, without torch for `check`). The 3-rank launcher run with torch.optim.RMSprop is in tests/test_eval.py."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 
 from launcher.config import validate
 from launcher.errors import ConfigError
-from launcher.optim import build_lr_scheduler, build_optimizer, check_config
+from launcher.train.optim import build_lr_scheduler, build_optimizer, check_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = {"task": {"target": "builtin:regression"}, "data": {"micro_batch_size": 4}}

@@ -2,7 +2,7 @@
 import io
 from types import SimpleNamespace
 
-from launcher.metrics import Progress
+from launcher.train.metrics import Progress
 
 
 def info(step, epoch=0):

@@ -12,14 +12,15 @@ import sys
 
 import pytest
 
-from launcher import cli, report
+from launcher import cli
+from launcher.report import render as report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A user task: the built-in regression with one NaN input, so every epoch has exactly one window whose loss is not
 # finite and which the engine skips (accumulation.nonfinite: skip). shuffle: false keeps it in one known window.
 NAN_TASK = """\
-from launcher.builtin_tasks import regression
+from launcher.tasks.builtin import regression
 
 
 def task(samples=192, bad=70):

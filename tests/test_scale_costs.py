@@ -139,8 +139,8 @@ def test_token_planning_loads_every_sample_once_and_matches_collating_every_shar
     from torch.utils.data import DistributedSampler
 
     from accum_sched import AccumulationSchedule
-    from launcher import plan
-    from launcher.builtin_tasks import charlm
+    from launcher.train import plan
+    from launcher.tasks.builtin import charlm
     from launcher.tasks import Task
 
     made = charlm()

@@ -8,14 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.env import expand_nodelist, slurm_port
+from launcher.launch.env import expand_nodelist, slurm_port
 from slurm_cluster import slurm  # noqa: F401  (the session fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _srun_detect(slurm, *srun_args: str) -> list[dict]:  # noqa: F811
-    code = ("import dataclasses, json, os, socket; from launcher.env import detect; "
+    code = ("import dataclasses, json, os, socket; from launcher.launch.env import detect; "
             "print(json.dumps({**dataclasses.asdict(detect()), 'job': os.environ['SLURM_JOB_ID'], "
             "'host': socket.gethostname(), 'nodelist': os.environ['SLURM_JOB_NODELIST']}))")
     done = slurm.run("srun", *srun_args, "--cpus-per-task=1", sys.executable, "-c", code, cwd=str(ROOT), timeout=120)

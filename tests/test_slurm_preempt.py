@@ -1,4 +1,4 @@
-"""launcher.preempt in one process: a real signal only sets flags, reaches the engine once attached (also when it
+"""launcher.train.preempt in one process: a real signal only sets flags, reaches the engine once attached (also when it
 came before), and requeue() outside SLURM says so instead of failing. The SLURM round trip is in test_slurm_e2e."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from launcher.preempt import Preemption, preempt_signal, requeue
+from launcher.train.preempt import Preemption, preempt_signal, requeue
 
 
 def test_signal_sets_flags_before_and_after_attach():

@@ -75,7 +75,7 @@ def test_bad_jobs_name_their_field(change, field, fragment):
 def test_resume_only_when_requeued_or_asked(template):
     """The rendered script's own bash decides: SLURM_RESTART_COUNT > 0 resumes the newest checkpoint, a first run
     resumes only with the --resume it was submitted with (a path is kept: the worker prefers newer ones on a
-    requeue, launcher/checkpoint.py)."""
+    requeue, launcher/checkpoint/checkpointer.py)."""
     def worker_args(resume, restarts):
         script = render_job(dataclasses.replace(BASE, template=template, resume=resume))
         lines = script.splitlines()

@@ -2,7 +2,7 @@
 (jobs are submitted held, `--hold`, so nothing trains): a fresh submission moves an earlier run's checkpoints
 aside and its script does not resume; `--resume` keeps them and is checked before anything is queued (another
 config is exit 2, nothing submitted); a failed sbatch puts moved checkpoints back. No torch in these processes:
-the checkpoints are committed by launcher.checkpoint_store with a placeholder state file, which is all the
+the checkpoints are committed by launcher.checkpoint.store with a placeholder state file, which is all the
 submission reads (manifest, checksums, config hash, world size)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher import checkpoint_store as store
+from launcher.checkpoint import store
 from launcher.config import load_config
 from slurm_cluster import slurm  # noqa: F401  (the session fixture)
 

@@ -1,6 +1,6 @@
 """FSDP2 under `accum-sched run` (``distributed.backend: fsdp``): wrapping, sharded checkpoints, the final model.
 
-``distributed.fsdp`` (checked in launcher/config.py):
+``distributed.fsdp`` (checked in launcher/config/schema.py):
 
 * ``wrap``: module class names whose instances are sharded one by one (children before parents), then the root;
   ``auto`` takes the model's ``_no_split_modules`` (Hugging Face models list their transformer blocks there) and

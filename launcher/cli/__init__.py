@@ -10,10 +10,10 @@ from launcher.errors import ConfigError
 
 # subcommand -> module implementing it; keep the modules' top-level imports free of torch.
 COMMANDS = {
-    "run": "launcher.cmd_run",
-    "check": "launcher.cmd_check",
-    "slurm": "launcher.cmd_slurm",
-    "report": "launcher.cmd_report",
+    "run": "launcher.cli.run",
+    "check": "launcher.cli.check",
+    "slurm": "launcher.cli.slurm",
+    "report": "launcher.cli.report",
 }
 
 

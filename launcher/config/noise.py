@@ -84,7 +84,7 @@ def _check_deepspeed(cfg, field: str, adaptive: bool) -> None:
                           "use backend: ddp, or noise_scale: true with a schedule")
     if cfg.distributed.deepspeed_config is None:
         return  # reported by the config's own check
-    from launcher import deepspeed_setup  # torch-free at import
+    from launcher.backends import deepspeed as deepspeed_setup  # torch-free at import
 
     ds = deepspeed_setup.load_json(cfg)
     zero = ds.get("zero_optimization") or {}

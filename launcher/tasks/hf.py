@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from launcher.errors import ConfigError
-from launcher.hf_args import FIELD, HFArgs, parse
+from launcher.tasks.hf_args import FIELD, HFArgs, parse
 
 IGNORE = -100  # label of a position that is not a target (padding); the value Hugging Face models use too
 BYTE_VOCAB = 256
@@ -205,7 +205,7 @@ def make_save_fn(config, tokenizer):
 
 
 def hf_causal_lm(**raw):
-    """Build the task from ``task.args`` (see launcher/hf_args.py for the arguments and their checks)."""
+    """Build the task from ``task.args`` (see launcher/tasks/hf_args.py for the arguments and their checks)."""
     args = parse(raw)
     _quiet_transformers()
     model = _load_model(args)

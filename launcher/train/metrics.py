@@ -105,7 +105,7 @@ class MetricsWriter:
                 self._tb.add_scalar("train/noise_scale", record["noise_scale"], info.step)
 
     def write_eval(self, record: dict) -> None:
-        """Mirror an evaluation (an eval.jsonl line, written by launcher/validation.py) to TensorBoard."""
+        """Mirror an evaluation (an eval.jsonl line, written by launcher/train/validation.py) to TensorBoard."""
         if self._tb is not None:
             for key, value in record.items():
                 if key not in ("epoch", "step", "wall_time") and isinstance(value, (int, float)):

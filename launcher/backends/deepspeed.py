@@ -332,7 +332,7 @@ def _prepare_environment(world_size: int) -> None:
 
 def _device_args() -> dict:
     """DeepSpeed takes cuda:LOCAL_RANK unless told otherwise; under srun's per-task GPU binding the worker's device
-    (launcher/env.py: cuda_index, already set by the worker) is cuda:0 on every rank."""
+    (launcher/launch/env.py: cuda_index, already set by the worker) is cuda:0 on every rank."""
     import argparse
 
     import torch

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from launcher.errors import ConfigError
 
-# Fields every metrics line must carry for the report (see launcher/metrics.py and accum_sched.engine.StepInfo).
+# Fields every metrics line must carry for the report (see launcher/train/metrics.py and accum_sched.engine.StepInfo).
 REQUIRED = ("epoch", "step", "factor", "samples", "loss", "lr", "skipped")
 
 
@@ -83,7 +83,7 @@ def parse_metrics(lines, where: str = "metrics.jsonl") -> History:
 
 
 def parse_evals(lines, where: str = "eval.jsonl") -> list[dict]:
-    """Parse eval.jsonl lines (one per evaluation, launcher/validation.py). An unfinished last line is ignored; a
+    """Parse eval.jsonl lines (one per evaluation, launcher/train/validation.py). An unfinished last line is ignored; a
     step that goes back (lines gathered from several sessions by hand) replaces what came after it."""
     lines = [text for text in lines if text.strip()]
     records: list[dict] = []

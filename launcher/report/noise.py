@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from launcher import report
+from launcher.report import render as report
 
 
 def has_noise(history: report.History) -> bool:

@@ -13,8 +13,8 @@ import json
 import os
 import sys
 
-from launcher import checkpoint_store
-from launcher.cmd_check import preflight
+from launcher.checkpoint import store as checkpoint_store
+from launcher.cli.check import preflight
 from launcher.config import Config, load_config, write_resolved
 from launcher.errors import ConfigError
 from launcher.launch.slurm import TEMPLATES, SbatchError, SlurmJob, render_job, submit

@@ -30,7 +30,7 @@ def preflight(cfg: Config) -> None:
     if cfg.lr_scheduler is not None and cfg.lr_scheduler.name not in LR_SCHEDULERS:
         import_path.check("lr_scheduler.name", cfg.lr_scheduler.name, "MyScheduler")
     if cfg.distributed.backend == "deepspeed":
-        from launcher import deepspeed_setup  # no torch/deepspeed import at module level there either
+        from launcher.backends import deepspeed as deepspeed_setup  # no torch/deepspeed import at module level there either
 
         deepspeed_setup.validate(cfg, cfg.world_size)
 
@@ -48,7 +48,7 @@ def main(args) -> int:
     print(schedule.table(cfg.data.micro_batch_size, cfg.world_size, epochs=epochs_shown,
                          batches_per_epoch=args.batches_per_epoch))
     if cfg.accumulation.adaptive is not None:  # the table shows the first windows only
-        from launcher.noise_config import adaptive_settings
+        from launcher.config.noise import adaptive_settings
 
         a = adaptive_settings(cfg.accumulation.adaptive)
         print(f"adaptive: the factor follows the measured noise scale within {a['min_factor']}..{a['max_factor']} "

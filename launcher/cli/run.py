@@ -1,16 +1,17 @@
 """`accum-sched run CONFIG`: validate, write the resolved config, start the workers through torchrun.
 
 Exit status: torchrun's (0 when training completed); 2 for a bad config (nothing launched); 75 when a SIGTERM
-stopped the run and the workers committed a checkpoint first (continue with --resume; launcher/forward.py)."""
+stopped the run and the workers committed a checkpoint first (continue with --resume; launcher/launch/forward.py)."""
 from __future__ import annotations
 
 import os
 import sys
 import time
 
-from launcher import checkpoint_store, forward
-from launcher import env as launch_env
-from launcher.cmd_check import preflight
+from launcher.checkpoint import store as checkpoint_store
+from launcher.launch import forward
+from launcher.launch import env as launch_env
+from launcher.cli.check import preflight
 from launcher.config import load_config, write_resolved
 from launcher.errors import ConfigError
 from launcher.launch.torchrun import LaunchPlan, run_id, torchrun_argv
@@ -31,7 +32,7 @@ def add_parser(sub) -> None:
 
 
 def check_devices(cfg) -> None:
-    """GPU settings this node cannot honour stop here with exit 2 (launcher/env.py: check_devices); gloo on a GPU
+    """GPU settings this node cannot honour stop here with exit 2 (launcher/launch/env.py: check_devices); gloo on a GPU
     machine only warns. Needs torch's view of the GPUs (CUDA_VISIBLE_DEVICES included): imported here, lazily, so
     `check` and `slurm` stay torch-free."""
     import torch
@@ -59,7 +60,7 @@ def main(args) -> int:
         raise ConfigError("--node-rank", f"{args.node_rank} is outside 0..{dist.nnodes - 1}", "number nodes from 0")
     preflight(cfg)
     if not _plain_optimizer(cfg):
-        from launcher.optim import check_config  # imports torch and the named classes: only when there is a name to check
+        from launcher.train.optim import check_config  # imports torch and the named classes: only when there is a name to check
 
         check_config(cfg)
     checkpoint_store.preflight(cfg, args.resume)  # damaged checkpoint, other config or world size: exit 2 here

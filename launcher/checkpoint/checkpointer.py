@@ -5,7 +5,7 @@ tensors and plain Python values): model, optimizer, LR scheduler, GradScaler, ``
 micro-batch within it, counters), the sampler epoch, the last StepInfo, and every rank's RNG states (torch, numpy,
 python, CUDA), gathered to rank 0 so one file holds them all. A DeepSpeed engine writes its own per-rank files
 into the same directory (``ds_engine.save_checkpoint``), and an FSDP2 run its DCP shards under ``fsdp/``
-(launcher/fsdp_setup.py); ``trainer.pt`` then holds no model or optimizer.
+(launcher/backends/fsdp.py); ``trainer.pt`` then holds no model or optimizer.
 
 When: at every epoch end, every ``checkpoint.every_n_steps`` optimizer steps (from the engine's on_step
 callback), and where ``engine.should_stop`` turns True (preemption). The last may be inside a window (the engine's
@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from accum_sched.resume import ResumeSampler
-from launcher import checkpoint_store as store
-from launcher import coordination
+from launcher.checkpoint import store
+from launcher.train import coordination
 from launcher.errors import ConfigError
 
 DS_TAG = "deepspeed"
@@ -175,7 +175,7 @@ class Checkpointer:
 
     def __init__(self, cfg, rank: int, world: int, resume: str | None = None, device=None, group=None):
         self.cfg, self.rank, self.world = cfg, rank, world
-        # every collective below runs on the gloo coordination group (launcher/coordination.py), not the default one
+        # every collective below runs on the gloo coordination group (launcher/train/coordination.py), not the default one
         self.group = group if group is not None else coordination.group()
         self.device = device or torch.device("cpu")
         self.root = os.path.abspath(store.checkpoint_root(cfg))
@@ -372,7 +372,7 @@ class Checkpointer:
             if loaded is None:
                 raise CheckpointError(f"{os.path.join(path, DS_TAG)}: DeepSpeed could not load it")
         elif _fsdp(trainer):  # DCP reads the shards, resharded for this world size
-            from launcher import fsdp_setup
+            from launcher.backends import fsdp as fsdp_setup
 
             try:
                 fsdp_setup.load(trainer.model, trainer.optimizer, os.path.join(path, fsdp_setup.DIRNAME))
@@ -459,7 +459,7 @@ class Checkpointer:
                 hashed[rel] = self._write_file(os.path.join(tmp, rel), {"format": store.FORMAT, "rank": self.rank,
                                                                          "window": window})
             if _fsdp(trainer):  # collective: every rank writes its shards under tmp/fsdp (DCP)
-                from launcher import fsdp_setup
+                from launcher.backends import fsdp as fsdp_setup
 
                 fsdp_setup.save(trainer.model, trainer.optimizer, os.path.join(tmp, fsdp_setup.DIRNAME))
             if self.rank == 0:
@@ -523,7 +523,7 @@ class Checkpointer:
             "lr_scheduler": None if trainer.lr_scheduler is None else trainer.lr_scheduler.state_dict(),
         }
         validation = getattr(trainer, "validation", None)
-        if validation is not None:  # best value and early-stop count (launcher/validation.py)
+        if validation is not None:  # best value and early-stop count (launcher/train/validation.py)
             state["eval"] = validation.state_dict()
         if self._order is not None and self._order[0] == engine.epoch_index:
             state["epoch_order"] = {"epoch": self._order[0], "indices": torch.tensor(self._order[1])}

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import os
 
-from launcher import report, report_noise
+from launcher.report import render as report
+from launcher.report import noise as report_noise
 from launcher.errors import ConfigError
 
 

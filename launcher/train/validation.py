@@ -1,7 +1,7 @@
 """The trainer's validation: when to evaluate, eval.jsonl, the best model, early stopping, and their resume state.
 
 Every decision here (is this the best value, stop now?) is taken on every rank from the all-reduced numbers that
-`launcher.evaluate.evaluate` returns, so the ranks agree without another collective.
+`launcher.train.evaluate.evaluate` returns, so the ranks agree without another collective.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 import torch
 
 from launcher.errors import ConfigError
-from launcher.evaluate import evaluate
+from launcher.train.evaluate import evaluate
 
 EVAL_FILE = "eval.jsonl"
 BEST_FILE = "model-best.pt"

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import yaml
 
 from accum_sched.schedule import UNITS, AccumulationSchedule
-from launcher import noise_config
+from launcher.config import noise as noise_config
 from launcher.errors import ConfigError
 
 REQUIRED = object()
@@ -62,7 +62,7 @@ def _wrap_value(v):
 
 
 DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
-# distributed.fsdp (backend: fsdp; launcher/fsdp_setup.py applies them)
+# distributed.fsdp (backend: fsdp; launcher/backends/fsdp.py applies them)
 FSDP_SCHEMA: dict[str, Field] = {
     "gradient_sync": Field("str", "boundary", choices=("boundary", "every_micro_batch")),
     # module class names to fully_shard one by one before the root, or auto: the model's _no_split_modules
@@ -99,7 +99,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "normalize": Field("str", "elements", choices=("elements", "micro_batches")),
         "uneven": Field("str", "truncate", choices=("truncate", "error")),
         "nonfinite": Field("str", "skip", choices=("skip", "raise")),
-        # the gradient noise scale of every window, and a factor that follows it (launcher/noise_config.py)
+        # the gradient noise scale of every window, and a factor that follows it (launcher/config/noise.py)
         "noise_scale": Field("bool", False),
         "adaptive": Field("mapping", None, nullable=True),
     },
@@ -123,7 +123,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "warmup_steps": Field("int", 0, check=_at_least(0)),
         "min_lr": Field("float", 0.0, check=_at_least(0)),
     },
-    # Validation (launcher/evaluate.py): after every n epochs and/or every n optimizer steps, when the task returns a
+    # Validation (launcher/train/evaluate.py): after every n epochs and/or every n optimizer steps, when the task returns a
     # val_dataset. monitor/mode choose model-best.pt; early_stop is null or {patience, min_delta}.
     "eval": {
         "every_n_epochs": Field("int", 1, nullable=True, check=_at_least(1)),
@@ -148,11 +148,11 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "every_n_steps": Field("int", None, nullable=True, check=_at_least(1)),
         "keep_last": Field("int", 2, check=_at_least(1)),
         "dir": Field("str", None, nullable=True),
-        # resume a checkpoint made under different training fields (see launcher/checkpoint_store.py)
+        # resume a checkpoint made under different training fields (see launcher/checkpoint/store.py)
         "force_resume": Field("bool", False),
         # resuming on another world size: error | keep_global_batch | keep_factor (notes/checkpoint.md)
         "on_world_change": Field("str", "error", choices=("error", "keep_global_batch", "keep_factor")),
-        # how long ranks wait while rank 0 writes, hashes or verifies a checkpoint (launcher/coordination.py)
+        # how long ranks wait while rank 0 writes, hashes or verifies a checkpoint (launcher/train/coordination.py)
         "timeout_s": Field("int", 3600, check=_at_least(10)),
     },
     "logging": {
@@ -345,7 +345,7 @@ def validate(raw: dict) -> Config:
     cfg = Config(sections)
     _cross_check(cfg)
     if cfg.distributed.backend == "deepspeed":
-        from launcher import deepspeed_setup  # its JSON may hold the schedule (torch-free; it never imports us)
+        from launcher.backends import deepspeed as deepspeed_setup  # its JSON may hold the schedule (torch-free; it never imports us)
 
         raw = deepspeed_setup.resolved_raw(cfg)
         if raw is not None:

@@ -5,7 +5,7 @@ The function returns a mapping or object with ``model`` (nn.Module), ``dataset``
 n_elements`` and ``count_fn(batch) -> n_elements`` (the same count without a forward pass; one of the two is needed
 only to plan LR totals of token-keyed schedules: every sample is counted once, by ``length_fn``, else by ``count_fn``
 of a one-sample batch, so it must add up over samples, as a count of real tokens does), ``val_dataset`` (held-out
-samples, same form as ``dataset``; evaluated as the config's ``eval`` section says, see launcher/evaluate.py),
+samples, same form as ``dataset``; evaluated as the config's ``eval`` section says, see launcher/train/evaluate.py),
 ``val_loss_fn`` (default: ``loss_fn``), ``metrics_fn(model, batch) -> {name: (sum, count)}`` (each metric is
 reported as sum / count over the whole set) and ``save_fn(state_dict, output_dir)`` (rank 0 writes the task's own
 export of the final weights next to model.pt, e.g. a Hugging Face directory).
@@ -26,13 +26,13 @@ from typing import Any, Callable
 from launcher.errors import ConfigError
 
 BUILTINS = {
-    "regression": "launcher.builtin_tasks:regression",
-    "charlm": "launcher.builtin_tasks:charlm",
-    "hf_causal_lm": "launcher.hf_task:hf_causal_lm",
+    "regression": "launcher.tasks.builtin:regression",
+    "charlm": "launcher.tasks.builtin:charlm",
+    "hf_causal_lm": "launcher.tasks.hf:hf_causal_lm",
 }
 # Built-ins whose args can be checked before launch without torch: name -> "module:function(args)".
 ARG_CHECKS = {
-    "hf_causal_lm": "launcher.hf_args:parse",
+    "hf_causal_lm": "launcher.tasks.hf_args:parse",
 }
 
 
@@ -44,7 +44,7 @@ class Task:
     collate_fn: Callable | None = None
     count_fn: Callable | None = None  # batch -> elements (tokens) without a forward; plans token-keyed schedules
     length_fn: Callable | None = None  # sample -> elements (tokens); preferred by planning over count_fn
-    val_dataset: Any = None  # held-out samples (same form as dataset), or None; see launcher/evaluate.py
+    val_dataset: Any = None  # held-out samples (same form as dataset), or None; see launcher/train/evaluate.py
     val_loss_fn: Callable | None = None  # default: loss_fn
     metrics_fn: Callable | None = None  # (model, batch) -> {name: (sum, count)}
     save_fn: Callable | None = None  # (state_dict, output_dir) -> None on rank 0 after model.pt: the task's export

@@ -1,7 +1,7 @@
 """Checkpoints on disk, without torch: names, manifests, checksums, discovery, the config hash, world-size policy.
 
 `accum-sched run --resume` uses this before any worker starts (so a wrong config or world size is a one-line error
-with exit 2, and no torch import); the workers' Checkpointer (launcher/checkpoint.py) uses it to write and find
+with exit 2, and no torch import); the workers' Checkpointer (launcher/checkpoint/checkpointer.py) uses it to write and find
 checkpoints.
 
 A checkpoint is a directory ``<checkpoint.dir>/step-<8-digit optimizer step>/`` holding ``trainer.pt`` and, for

@@ -1,0 +1,324 @@
+"""One rank's training: the process group, the task, the engine, the loop (launcher/worker.py is the entry point).
+
+torchrun runs it (and srun, and the `deepspeed` launcher, which adds --local_rank). It reads the resolved config,
+joins the process group, builds the task and the engine, trains, and leaves model.pt, metrics.jsonl and
+summary.json (rank 0). The loop reads top to bottom; everything clever lives in accum_sched.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from accum_sched import AccumulationEngine, AccumulationSchedule
+from accum_sched.resume import ResumeSampler
+from launcher.train import coordination
+from launcher import tasks
+from launcher.checkpoint.checkpointer import Checkpointer
+from launcher.config import Config
+from launcher.errors import ConfigError
+from launcher.train.metrics import MetricsWriter, Progress, atomic_write_json
+from launcher.train.optim import build_lr_scheduler, build_optimizer
+from launcher.train.preempt import requeue
+
+log = logging.getLogger("accum_sched.worker")
+
+
+def to_device(batch, device: torch.device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def detect_launch():
+    """Rank, local rank, world size and rendezvous address of this process (see launcher/launch/env.py)."""
+    from launcher.launch.env import detect
+
+    return detect()
+
+
+def init_distributed(cfg: Config, launch) -> torch.device:
+    """Join the process group (NCCL with CUDA, gloo otherwise, unless configured) and pin this rank's device."""
+    from launcher.launch.env import choose_device
+
+    wanted = cfg.distributed.process_group
+    # which GPU, if any: per-task SLURM binding and CUDA_VISIBLE_DEVICES decide, not the local rank alone
+    kind, index = choose_device(wanted, torch.cuda.device_count() if torch.cuda.is_available() else 0, launch)
+    use_cuda = kind == "cuda"
+    device = torch.device("cuda", index) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if launch.world_size > 1 or launch.source != "single":
+        backend = ("nccl" if use_cuda else "gloo") if wanted == "auto" else wanted
+        os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+        timeout = timedelta(seconds=cfg.distributed.timeout_s)
+        where = {"init_method": "env://"}
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun keeps its store across restarts of a failed worker group and env:// does not prefix the keys
+            # by attempt (torch 2.13), so a restarted group read the dead group's gloo addresses and failed to
+            # connect (tests/test_checkpoint.py). Give every attempt its own key space.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launch.world_size,
+                                  is_master=False, timeout=timeout)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            where = {"store": dist.PrefixStore(f"accum-sched/attempt_{attempt}", store)}
+        dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
+                                device_id=device if use_cuda else None, **where)
+        coordination.start(cfg.checkpoint.timeout_s)  # checkpoints wait on gloo, never under NCCL's watchdog
+    return device
+
+
+def adaptive_settings(cfg: Config) -> dict | None:
+    """``accumulation.adaptive`` with its defaults, or None (checked already by config validation)."""
+    from launcher.config.noise import adaptive_settings as settings
+
+    return None if cfg.accumulation.adaptive is None else settings(cfg.accumulation.adaptive)
+
+
+def plan_total_steps(schedule, loader, sampler, task, cfg: Config, world: int) -> int:
+    """Exact optimizer steps of the run, for LR schedulers and progress, under every schedule unit.
+
+    Samples per micro-step are known from the sharding (DistributedSampler gives every rank the same count);
+    tokens come from one pass over the dataset, shared by the ranks (launcher/train/plan.py), then from indices alone.
+    """
+    batches, epochs, micro = len(loader), cfg.run.epochs, cfg.data.micro_batch_size
+    if schedule.unit in ("epoch", "step"):
+        return schedule.optimizer_steps(batches, epochs)
+    per_rank = len(sampler)  # samples per rank per epoch (padded to equal length across ranks)
+    if schedule.unit == "samples":
+        return schedule.optimizer_steps(batches, epochs,
+                                        samples_per_micro_step=lambda e, i: world * min(micro, per_rank - i * micro))
+    if task.count_fn is None and task.length_fn is None:
+        if cfg.lr_scheduler is None:
+            return 0  # nothing needs the total; progress shows steps without one
+        raise ConfigError("accumulation.unit", "tokens-keyed schedules need the task's length_fn or count_fn to "
+                          "plan LR totals", "return length_fn(sample) -> tokens (or count_fn(batch)) from the task, "
+                          "or set lr_scheduler: null")
+    from launcher.train import plan
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    counts = plan.sample_counts(task, rank, world)
+    per_step = plan.micro_step_counts(counts, task.dataset, epochs, world, micro, batches, cfg.data.shuffle,
+                                      cfg.run.seed)
+    return schedule.optimizer_steps(batches, epochs, tokens_per_micro_step=lambda e, i: per_step[e][i])
+
+
+class Trainer:
+    """Holds everything one rank trains with; `fit()` is the loop."""
+
+    def __init__(self, cfg: Config, device: torch.device, resume: str | None = None):
+        self.cfg, self.device, self.resume = cfg, device, resume
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.run_dir = cfg.run.output_dir
+        seed_everything(cfg.run.seed)  # identical initial weights on every rank
+        self.task = tasks.build(cfg.task.target, cfg.task.args)
+        self.sampler = DistributedSampler(self.task.dataset, num_replicas=self.world, rank=self.rank,
+                                          shuffle=cfg.data.shuffle, seed=cfg.run.seed, drop_last=False)
+        # ResumeSampler: a resume starts the loader at the resume point (only indices are skipped; engine skip=False)
+        self.loader = DataLoader(self.task.dataset, batch_size=cfg.data.micro_batch_size,
+                                 sampler=ResumeSampler(self.sampler),
+                                 drop_last=cfg.data.drop_last, num_workers=cfg.data.num_workers,
+                                 collate_fn=self.task.collate_fn, pin_memory=device.type == "cuda")
+        # finds the checkpoint to resume (rank 0 reads, all agree); its world size may rescale the schedule
+        self.checkpointer = Checkpointer(cfg, self.rank, self.world, resume, device)
+        self.schedule = self.checkpointer.schedule(cfg.schedule_for(self.world))
+        self.adaptive = adaptive_settings(cfg)
+        # adaptive: the factor is decided during the run, so the total is an upper bound (every window at min_factor)
+        planned = self.schedule if self.adaptive is None else AccumulationSchedule(self.adaptive["min_factor"])
+        self.total_steps = plan_total_steps(planned, self.loader, self.sampler, self.task, cfg, self.world)
+        self.model = self.task.model.to(device)
+        self.fsdp = cfg.distributed.backend == "fsdp"
+        if self.fsdp:  # before the optimizer: fully_shard swaps the parameters for sharded ones
+            from launcher.backends import fsdp as fsdp_setup
+
+            self.model = fsdp_setup.shard(cfg, self.model, device)
+        self.optimizer = build_optimizer(cfg.optimizer, self.model)  # the module: no_decay matches names
+        self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer, self.total_steps)
+        self.ds_engine = None
+        if cfg.distributed.backend == "deepspeed":
+            from launcher.backends import deepspeed as deepspeed_setup
+
+            self.ds_engine, self.optimizer, self.lr_scheduler = deepspeed_setup.initialize(
+                cfg, self.model, self.optimizer, self.lr_scheduler, self.world)
+            wrapped = self.ds_engine
+        elif self.fsdp:
+            wrapped = self.model  # the FSDP2 root; the engine picks the FSDP2 back end for it
+        elif self.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            wrapped = DistributedDataParallel(
+                self.model, device_ids=[device.index] if device.type == "cuda" else None,
+                find_unused_parameters=cfg.distributed.find_unused_parameters)
+        else:
+            wrapped = self.model
+        self.wrapped = wrapped
+        acc = cfg.accumulation
+        self.engine = AccumulationEngine(
+            wrapped, None if self.ds_engine is not None else self.optimizer, 1 if self.adaptive else self.schedule,
+            lr_scheduler=None if self.ds_engine is not None else self.lr_scheduler,
+            max_grad_norm=cfg.optimizer.max_grad_norm, normalize=acc.normalize, uneven=acc.uneven,
+            nonfinite=acc.nonfinite, precision=cfg.run.precision, micro_batch_size=cfg.data.micro_batch_size,
+            lr_coupling=acc.lr_coupling, noise_scale=acc.noise_scale, adaptive=self.adaptive,
+            stop_at="micro_batch",  # preemption answered within ~1 micro-batch (DeepSpeed, noise scale: boundary)
+            norm_every=cfg.logging.log_every,
+            gradient_sync=cfg.distributed.fsdp["gradient_sync"] if self.fsdp else "boundary")
+        self.metrics = None
+        self.progress = None
+        self.start = time.time()
+        self.validation = self._make_validation()
+        self.early_stopped = False
+
+    def _make_validation(self):
+        if self.task.val_dataset is None:
+            if self.cfg.eval.early_stop is not None:
+                raise ConfigError("eval.early_stop", "needs a validation set, but the task returns no val_dataset",
+                                  "return val_dataset from the task, or remove eval.early_stop")
+            return None
+        from launcher.train.validation import Validation
+
+        return Validation(self.cfg, self.task, self.wrapped, self.device, self.rank, self.engine.autocast,
+                          lambda batch: to_device(batch, self.device), self.final_state_dict, self.run_dir,
+                          self.start)
+
+    def validate(self, epoch: int) -> None:
+        """Evaluate (collective); on every rank, stop when early stopping says so (same numbers everywhere)."""
+        record = self.validation.run(epoch, self.engine.optimizer_steps)
+        if self.metrics is not None:
+            self.metrics.write_eval(record)
+        if self.progress is not None:
+            self.progress.evaluation(record, self.validation.best, self.cfg.eval.monitor)
+        if self.validation.stop:
+            self.early_stopped = True
+
+    def _validate_step(self, info) -> None:
+        if self.validation is not None and self.validation.due_after_step(info.step):
+            self.validate(info.epoch)
+            if self.early_stopped:
+                self.engine.should_stop = True  # ends the epoch's loop after this step, on every rank
+
+    def loss_fn(self, model, batch):
+        return self.task.loss_fn(model, to_device(batch, self.device))
+
+    def _on_step(self, info) -> None:
+        if self.metrics is not None:
+            self.metrics.write(info, self.engine.effective_batch)
+            self.progress.step(info, self.engine.effective_batch)
+
+    def fit(self) -> None:
+        cfg = self.cfg
+        step = self.checkpointer.restore(self)  # before the metrics writer: it cuts metrics.jsonl back to the checkpoint
+        if self.validation is not None:
+            self.validation.truncate(step)  # eval.jsonl likewise
+            self.early_stopped = self.validation.stop  # a resumed run that had stopped early stays stopped
+        if self.rank == 0:
+            os.makedirs(self.run_dir, exist_ok=True)
+            self.metrics = MetricsWriter(self.run_dir, cfg.logging.tensorboard, self.start)
+            self.progress = Progress(cfg.logging.progress, cfg.run.epochs, self.total_steps, cfg.logging.log_every)
+            print(f"accum-sched: world {self.world}, {len(self.loader)} micro-batches of "
+                  f"{cfg.data.micro_batch_size} per rank per epoch, {cfg.run.epochs} epochs, "
+                  f"{self.total_steps} optimizer steps, " + (
+                      f"schedule {self.schedule.to_dict()}" if self.adaptive is None else
+                      f"adaptive factor {self.adaptive['min_factor']}..{self.adaptive['max_factor']} (at most "
+                      f"that many steps)"), flush=True)
+        self.engine.on_step(self._on_step)
+        self.engine.on_step(self._validate_step)  # after the step's metrics line, before its checkpoint
+        self.engine.on_step(self.checkpointer.on_step)  # after the metrics line of the same step
+        for epoch in range(self.engine.epoch_index, cfg.run.epochs if not self.early_stopped else 0):
+            began = time.time()
+            self.sampler.set_epoch(epoch)
+            self.engine.train_epoch(self.checkpointer.loader(epoch, self.loader), self.loss_fn, epoch, skip=False)
+            if self.engine.should_stop:
+                break
+            if self.validation is not None and self.validation.due_after_epoch(epoch, self.engine.optimizer_steps):
+                self.validate(epoch)
+            self.checkpointer.epoch_end()
+            if self.progress is not None and self.engine.last_step is not None:
+                self.progress.epoch_end(epoch, self.engine.last_step.loss, time.time() - began)
+            if self.early_stopped:
+                break
+        if self.engine.should_stop and not self.early_stopped:
+            self.stop_for_preemption()
+            return
+        self.finish()
+
+    def stop_for_preemption(self) -> None:
+        """The ranks agreed to stop after this micro-batch (a preemption signal, launcher/train/preempt.py): commit its
+        checkpoint (with the open window, if inside one), then rank 0 requeues the SLURM job, which resumes by
+        itself. The worker then exits 0: a preempted run is not a failed one (torchrun would restart it)."""
+        path = self.checkpointer.save_now("preempt")  # a no-op when this step is saved already (on_step)
+        if self.rank != 0:
+            return
+        self.metrics.close()
+        inside = f"; inside a window, after micro-batch {self.engine.micro_in_epoch} of epoch " \
+                 f"{self.engine.epoch_index}" if self.engine.window_open else ""
+        # Said before the requeue: SLURM may end this job step as soon as scontrol requeue returns.
+        print(f"accum-sched: preempted at step {self.engine.optimizer_steps}: checkpoint saved "
+              f"({path}{inside})", flush=True)
+        print(f"accum-sched: {'job requeued' if requeue() else 'not requeued'}", flush=True)
+
+    def final_state_dict(self) -> dict | None:
+        if self.ds_engine is not None:
+            from launcher.backends import deepspeed as deepspeed_setup
+
+            return deepspeed_setup.consolidated_state_dict(self.ds_engine)
+        if self.fsdp:
+            from launcher.backends import fsdp as fsdp_setup
+
+            return fsdp_setup.consolidated_state_dict(self.model)
+        if self.rank != 0:
+            return None
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def finish(self) -> None:
+        if self.early_stopped and self.rank == 0:
+            print(f"accum-sched: early stop: {self.cfg.eval.monitor} did not improve in "
+                  f"{self.validation.bad} evaluations", flush=True)
+        state = self.final_state_dict()
+        counters = self.engine.counters()
+        if self.rank != 0:
+            return
+        path = os.path.join(self.run_dir, "model.pt")
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        if self.task.save_fn is not None:  # the task's own export (e.g. a save_pretrained directory)
+            self.task.save_fn(state, self.run_dir)
+        last = self.engine.last_step
+        summary = {
+            "world_size": self.world, "epochs": self.cfg.run.epochs, "completed_epochs": self.engine.epoch_index,
+            "optimizer_steps": counters["optimizer_steps"], "skipped_steps": counters["skipped_steps"],
+            "overflow_steps": counters["overflow_steps"],
+            "micro_batches": counters["micro_batches"], "micro_batches_all_ranks": counters["micro_batches"] * self.world,
+            "elements": counters["elements"], "samples": counters["samples"],
+            "allreduce_rounds": counters["allreduce_rounds"], "final_loss": None if last is None else last.loss,
+            "final_factor": counters["factor"], "effective_batch": counters["effective_batch"],
+            "wall_seconds": round(time.time() - self.start, 3), "backend": self.cfg.distributed.backend,
+            "stopped_early": bool(self.engine.should_stop or self.early_stopped),
+        }
+        if self.validation is not None:
+            summary.update(self.validation.summary())
+        atomic_write_json(os.path.join(self.run_dir, "summary.json"), summary)
+        self.metrics.close()
+        print(f"accum-sched: done: {summary['optimizer_steps']} optimizer steps, final loss "
+              f"{summary['final_loss']:.4f}, {summary['wall_seconds']:.1f}s; outputs in {self.run_dir}", flush=True)
