@@ -36,7 +36,7 @@ def regression(samples: int = 2048, in_dim: int = 32, hidden: int = 64, out_dim:
 
 # -- charlm -----------------------------------------------------------------------------------------------------
 PAD = 0
-CORPUS = os.path.join(os.path.dirname(__file__), "data", "corpus.txt")
+CORPUS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "corpus.txt")  # launcher/data
 
 
 class LineDataset(Dataset):
