@@ -219,7 +219,7 @@ class Checkpointer:
                 error = f"{type(exc).__name__}: {exc}"
         if self._distributed():
             box = [result, error]
-            dist.broadcast_object_list(box, src=0, group=self.group)
+            coordination.collective("decision of rank 0", dist.broadcast_object_list, box, src=0, group=self.group)
             result, error = box
         if error:
             raise CheckpointError(error)
@@ -227,7 +227,7 @@ class Checkpointer:
 
     def _barrier(self) -> None:
         if self._distributed():
-            dist.barrier(group=self.group)
+            coordination.collective("barrier", dist.barrier, group=self.group)
 
     def _say(self, text: str, stream=None) -> None:
         if self.rank == 0:
@@ -444,7 +444,8 @@ class Checkpointer:
         mine = {"now": rng_state(self.device), "epoch_start": self._epoch_start_rng}
         rngs = [None] * self.world
         if self._distributed():
-            dist.all_gather_object(rngs, mine, group=self.group)
+            coordination.collective(f"gathering RNG states for {tmp}", dist.all_gather_object, rngs, mine,
+                                    group=self.group)
         else:
             rngs = [mine]
         engine_state = engine.state_dict()
@@ -544,7 +545,7 @@ class Checkpointer:
         gathered = [(error, result)]
         if self._distributed():
             gathered = [None] * self.world
-            dist.all_gather_object(gathered, (error, result), group=self.group)
+            coordination.collective(what, dist.all_gather_object, gathered, (error, result), group=self.group)
         failed = [e for e, _ in gathered if e]
         if failed:
             raise CheckpointError(f"checkpoint {what} failed: {'; '.join(failed)}")

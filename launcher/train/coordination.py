@@ -9,20 +9,29 @@ host memory (the small Python objects these collectives carry live there anyway)
 timeout can be as long as a save may take without loosening the training timeout.
 
 ``start()`` is called once per worker right after the default group (every rank must create a group, in the same
-order); ``group()`` is what the Checkpointer uses: None in a single process.
+order); ``group()`` is what the Checkpointer uses: None in a single process. ``collective()`` runs one of its
+collectives so that a wait past the timeout, or a peer that gave up, ends in an error naming
+``checkpoint.timeout_s`` on the rank that sees it, instead of gloo's bare "Timed out waiting 10000ms".
 """
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import torch.distributed as dist
 
 _GROUP = None
+_TIMEOUT_S: float | None = None
+
+
+class CoordinationError(RuntimeError):
+    """A checkpoint collective did not complete: this rank waited past checkpoint.timeout_s, or a peer is gone."""
 
 
 def start(timeout_s: float):
     """Create the coordination group (collective: every rank calls it once). Returns it, or None without peers."""
-    global _GROUP
+    global _GROUP, _TIMEOUT_S
+    _TIMEOUT_S = timeout_s
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         _GROUP = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     else:
@@ -33,3 +42,24 @@ def start(timeout_s: float):
 def group():
     """The coordination group of this worker (None before start() or in a single process)."""
     return _GROUP
+
+
+def collective(what: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` (a torch.distributed collective on the coordination group); a failure of it raises
+    CoordinationError that says what was waited for and names checkpoint.timeout_s. gloo raises RuntimeError
+    (DistBackendError) both on its own timeout and when a peer's connection closes (that peer gave up or died)."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as exc:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        limit = f"checkpoint.timeout_s ({_TIMEOUT_S:g} s)" if _TIMEOUT_S is not None else "checkpoint.timeout_s"
+        # gloo's own words, less its source location ("[.../pair.cc:553] Connection closed by peer ...")
+        detail = re.sub(r"^\[[^\]]*\]\s*", "", (str(exc).strip().splitlines() or [type(exc).__name__])[0])
+        if "timed out" in str(exc).lower():
+            problem = (f"rank {rank} waited longer than {limit} for the other ranks "
+                       f"(rank 0 writes, hashes and verifies checkpoints alone); "
+                       f"raise checkpoint.timeout_s if a checkpoint takes that long here")
+        else:
+            problem = (f"rank {rank} lost the other ranks while waiting: one failed, or waited longer than "
+                       f"{limit} and gave up")
+        raise CoordinationError(f"checkpoint {what}: {problem} (gloo: {detail})") from exc
