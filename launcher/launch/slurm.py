@@ -1,9 +1,11 @@
 """sbatch scripts as a pure function of a `SlurmJob` (golden-file tested), and their submission. No torch here.
 
-Two templates live in `slurm/`: `torchrun` (one torchrun agent per node started by srun, c10d rendezvous on the first
-node) and `per_task` (srun starts one `python -m launcher.worker` per rank). A template is a bash script with
-`{{name}}` fields; shell's own `$VAR` / `${VAR}` pass through untouched. A field alone on its line that renders
-empty (no setup lines) drops the line. Any other file path works as a template with the same fields.
+Two templates ship inside the package, in `launcher/templates/` (read with importlib.resources, so a wheel
+install finds them as an editable one does): `torchrun` (one torchrun agent per node started by srun, c10d
+rendezvous on the first node) and `per_task` (srun starts one `python -m launcher.worker` per rank). A template is
+a bash script with `{{name}}` fields; shell's own `$VAR` / `${VAR}` pass through untouched. A field alone on its
+line that renders empty (no setup lines) drops the line. Any other file path works as a template with the same
+fields.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import shlex
 import signal
 import subprocess
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 from launcher.errors import ConfigError
@@ -24,11 +27,10 @@ _TIME = re.compile(r"(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2}|UNLIMITED|INFINITE)")
 _SIGNAL = re.compile(r"(?:(?P<flags>[A-Z]+):)?(?:SIG)?(?P<name>[A-Z0-9]+)(?:@(?P<secs>\d+))?")
 
 
-def template_dirs() -> list[Path]:
-    """Where named templates are looked up: packaged copies first (launcher/templates, listed in pyproject's
-    package-data), then the repository's slurm/ folder (an editable install)."""
-    here = Path(__file__).resolve().parent
-    return [here.parent / "templates", here.parent.parent / "slurm"]
+def packaged_template(name: str):
+    """The packaged template `name` (launcher/templates/<name>.sbatch, listed in pyproject's package-data) as an
+    importlib.resources Traversable: found the same way from a wheel and from the repository."""
+    return resources.files("launcher").joinpath("templates", f"{name}.sbatch")
 
 
 @dataclass(frozen=True)
@@ -171,12 +173,10 @@ def template_text(template: str) -> str:
     """The text of a named template (`torchrun`, `per_task`) or of a template file."""
     if template not in TEMPLATES:
         return Path(template).read_text(encoding="utf-8")
-    for folder in template_dirs():
-        path = folder / f"{template}.sbatch"
-        if path.is_file():
-            return path.read_text(encoding="utf-8")
-    raise ConfigError("slurm.template", f"template {template!r} not found in "
-                                        f"{', '.join(str(d) for d in template_dirs())}",
+    packaged = packaged_template(template)
+    if packaged.is_file():
+        return packaged.read_text(encoding="utf-8")
+    raise ConfigError("slurm.template", f"template {template!r} not found in the installed package ({packaged})",
                       "reinstall accum-sched, or give the path of a template file")
 
 
