@@ -19,8 +19,12 @@ Use it as the `slurm` pytest fixture (`from slurm_cluster import slurm  # noqa: 
 at it by hand: `python tests/slurm_cluster.py` starts one, prints the SLURM_CONF to export, and runs until
 Ctrl-C or SIGTERM.
 
-Skips, with the reason, only when SLURM cannot be had here (not root, no apt-get, install, namespaces or daemon
-start failed); set ACCUM_SCHED_REQUIRE_SLURM=1 (CI does) to turn those skips into failures.
+Whether the tests run (`slurm_required()`): where SLURM can be had, i.e. as root (the daemons and the namespaces
+need it) with the binaries installed or apt-get to install them, they run, and a failed install or start-up is a
+test failure, not a skip, so the README's plain `python -m pytest -q` cannot pass without them by accident. Elsewhere
+(another user, no apt-get and no SLURM) they skip with the reason. ACCUM_SCHED_REQUIRE_SLURM=1 (CI) requires them
+everywhere; ACCUM_SCHED_REQUIRE_SLURM=0 skips them when they cannot start (e.g. a container without the
+privilege to make network namespaces).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -86,6 +91,18 @@ def ensure_slurm() -> None:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise SlurmUnavailable(f"apt-get install {' '.join(PACKAGES)} failed ({' | '.join(tail)}); "
                                f"still missing: {', '.join(missing) or 'nothing'}")
+
+
+def slurm_required() -> tuple[bool, str]:
+    """(required, why): whether a cluster that fails to come up is a test failure here, and the reason in words."""
+    forced = os.environ.get("ACCUM_SCHED_REQUIRE_SLURM")
+    if forced in ("0", "1"):
+        return forced == "1", f"ACCUM_SCHED_REQUIRE_SLURM={forced}"
+    if os.geteuid() != 0:
+        return False, "not root: slurmctld, slurmd and the nodes' network namespaces need root"
+    if any(_which(b) is None for b in BINARIES) and shutil.which("apt-get") is None:
+        return False, "SLURM is not installed and there is no apt-get to install it"
+    return True, "root, with SLURM installed or apt-get to install it"
 
 
 def _free_port() -> int:
@@ -330,9 +347,11 @@ try:  # the pytest fixture; this module also runs without pytest (see __main__ b
                 _SESSION["unavailable"] = str(why)
         if "unavailable" in _SESSION:
             why = _SESSION["unavailable"]
-            if os.environ.get("ACCUM_SCHED_REQUIRE_SLURM") == "1":
-                pytest.fail(f"SLURM required (ACCUM_SCHED_REQUIRE_SLURM=1) but unavailable: {why}")
-            pytest.skip(f"SLURM unavailable: {why}")
+            required, because = slurm_required()
+            if required:
+                pytest.fail(f"SLURM required here ({because}) but unavailable: {why} "
+                            f"(ACCUM_SCHED_REQUIRE_SLURM=0 skips the SLURM tests instead)")
+            pytest.skip(f"SLURM unavailable: {why} (not required: {because})")
         yield _SESSION["cluster"]
         ctx = _SESSION.pop("ctx", None)  # at session end; the first module's finaliser stops it
         if ctx is not None:
@@ -346,6 +365,10 @@ def _interrupt(signum, frame):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--install"]:  # .ci/run: install the packages up front, out of the tests' timeouts
+        ensure_slurm()
+        print(f"accum-sched: SLURM present ({_which('slurmctld')})", flush=True)
+        sys.exit(0)
     # explicit handlers: a background job (`... &`) starts with SIGINT ignored
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
