@@ -297,7 +297,7 @@ class SlurmCluster:
                 if q.returncode != 0 or not q.stdout.strip():
                     break
                 time.sleep(0.5)
-        for name, proc in reversed(self._procs):  # slurmds, slurmctld, munged: each only the one we started
+        for _name, proc in reversed(self._procs):  # slurmds, slurmctld, munged: each only the one we started
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:
