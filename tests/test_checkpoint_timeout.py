@@ -8,6 +8,7 @@ fails (no hang: without the group's own timeout rank 1 would wait for distribute
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -42,10 +43,12 @@ def test_slow_rank0_commit_fails_every_rank_naming_timeout_s(tmp_path):
     step = tmp_path / "run" / "checkpoints" / "step-00000002"
     waited = (f"[rank1]: launcher.train.coordination.CoordinationError: checkpoint committing {step}: rank 1 "
               f"waited longer than checkpoint.timeout_s ({TIMEOUT_S} s) for the other ranks")
-    lost = (f"[rank0]: launcher.train.coordination.CoordinationError: checkpoint committing {step}: rank 0 lost "
-            f"the other ranks while waiting: one failed, or waited longer than checkpoint.timeout_s ({TIMEOUT_S} s)")
     assert waited in proc.stderr, out
-    assert lost in proc.stderr, out
+    # rank 0 finds rank 1 gone ("lost the other ranks ..."; on a machine so loaded that rank 1 is slow to exit, it
+    # may wait out the timeout itself instead): either way its error names the same field
+    lost = re.compile(rf"\[rank0\]: launcher\.train\.coordination\.CoordinationError: checkpoint committing "
+                      rf"{re.escape(str(step))}: rank 0 .*checkpoint\.timeout_s \({TIMEOUT_S} s\)")
+    assert lost.search(proc.stderr), out
     # rank 1 gave up after TIMEOUT_S, rank 0 after SLOW_S; start-up and teardown on a loaded machine take the rest
     assert took < SLOW_S + 90, f"took {took:.0f} s"
     assert not (tmp_path / "run" / "model.pt").exists()  # the run did not carry on as if nothing happened
