@@ -91,6 +91,24 @@ def _section_class(annotation) -> type:
 SECTION_CLASSES: dict[str, type] = {f.name: _section_class(_CONFIG_HINTS[f.name]) for f in dataclasses.fields(Config)}
 SCHEMA: dict[str, dict[str, Field]] = {name: fields_of(cls) for name, cls in SECTION_CLASSES.items()}
 FSDP_SCHEMA: dict[str, Field] = SCHEMA["distributed"]["fsdp"].schema
+
+
+def key_paths() -> dict[str, Field]:
+    """Every key by its full path (``distributed.fsdp.param_dtype``), a nested section's keys in place of the
+    section. A key inside a nested section is training-relevant when it and its section both are marked so."""
+    out = {}
+
+    def walk(prefix: str, fields: dict[str, Field], train: bool) -> None:
+        for name, field in fields.items():
+            if field.kind == "section":
+                walk(f"{prefix}{name}.", field.schema, train and field.train)
+            else:
+                out[f"{prefix}{name}"] = dataclasses.replace(field, train=train and field.train)
+    for section, fields in SCHEMA.items():
+        walk(f"{section}.", fields, True)
+    return out
+
+
 # Sections that may be written as `null` as a whole (e.g. `lr_scheduler: null` for a constant LR).
 NULLABLE_SECTIONS = {name for name in SCHEMA if _kind(_CONFIG_HINTS[name])[1]}
 REQUIRED_SECTIONS = {name for name, keys in SCHEMA.items() if any(f.default is REQUIRED for f in keys.values())}

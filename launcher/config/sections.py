@@ -170,10 +170,10 @@ class OptimizerConfig(Section):
     args: dict = key({}, train=True, doc="extra keyword arguments of the optimizer's constructor")
     no_decay: list[str] = key([], train=True, doc="parameter name parts without weight decay, e.g. `[bias, norm]`")
     lr: float = key(1e-3, train=True, check=positive, doc="learning rate")
-    weight_decay: float | None = key(None, train=True, check=at_least(0), doc="null: torch's default")
+    weight_decay: float | None = key(None, train=True, check=at_least(0), doc="weight decay; null: torch's default")
     momentum: float | None = key(None, train=True, check=at_least(0), doc="SGD only; null: torch's default")
-    betas: list[float] | None = key(None, train=True, doc="Adam/AdamW only, e.g. `[0.9, 0.999]`; null: torch's")
-    eps: float | None = key(None, train=True, check=positive, doc="null: torch's default")
+    betas: list[float] | None = key(None, train=True, doc="Adam/AdamW only, e.g. `[0.9, 0.999]`; null: torch's default")
+    eps: float | None = key(None, train=True, check=positive, doc="Adam's epsilon; null: torch's default")
     max_grad_norm: float | None = key(None, train=True, check=positive,
                                       doc="clip the global gradient norm on every step")
 
