@@ -287,8 +287,9 @@ def _training_values(cfg) -> dict:
             continue
         for part in parts:
             node = node[part]
-        if path == "accumulation.schedule" and node is not None:  # as written (with global_batch the factor
-            from accum_sched.schedule import AccumulationSchedule  # depends on the world: not hashed)
+        # the schedule as written (with global_batch the factor depends on the world: not hashed)
+        if path == "accumulation.schedule" and node is not None:
+            from accum_sched.schedule import AccumulationSchedule
 
             node = [list(m) for m in AccumulationSchedule(node, cfg.accumulation.unit).milestones]
         values[path] = _json(node)

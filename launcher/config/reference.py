@@ -35,11 +35,11 @@ def _default(field: Field) -> str:
 def table() -> str:
     """The markdown block (markers included) that docs/cli.md holds."""
     nullable = ", ".join(f"`{name}`" for name in SCHEMA if name in NULLABLE_SECTIONS)
-    lines = [BEGIN, "",
-             f"A section may be left out (all defaults); {nullable} may also be written as `null` as a whole (no LR "
+    intro = (f"A section may be left out (all defaults); {nullable} may also be written as `null` as a whole (no LR "
              "scheduler). *Hashed* keys are part of a checkpoint's config hash: resuming under another value of one "
              "needs `checkpoint.force_resume` ([Checkpoints](checkpoints.md)); a hashed key left at its default "
-             "does not enter the hash, so keys added later keep old checkpoints resumable.", "",
+             "does not enter the hash, so keys added later keep old checkpoints resumable.")
+    lines = [BEGIN, "", intro, "",
              "| key | default | hashed | meaning |", "|---|---|---|---|"]
     for path, field in key_paths().items():
         doc = field.doc.replace("|", "\\|")

@@ -4,7 +4,9 @@ The dataclasses are the schema. Each key is declared with :func:`key`, whose met
 (choices, check, hint), the line of the reference in docs/cli.md (``doc``, printed by
 ``python -m launcher.config.reference``) and ``train``: whether the key changes what is trained. The checkpoint's
 config hash (launcher/checkpoint/store.py: training_config) covers exactly the keys marked ``train=True``, so every
-new key has to say (the argument is required) whether a checkpoint made under another value may be resumed.
+new key has to say (the argument is required) whether a checkpoint made under another value may be resumed. The
+hash leaves out keys at their default, so a key added with its default keeps older checkpoints resumable; the other
+side of that: changing the default of a hashed key changes what older checkpoints recorded by leaving it out.
 
 The type of a key is its annotation: ``int``, ``float``, ``str``, ``bool``, ``dict`` (a mapping), ``list``, a union
 of several (any value, left to the check), a nested section (``FSDPConfig``); ``| None`` allows null. Validation and
