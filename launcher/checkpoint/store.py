@@ -15,6 +15,7 @@ directory named ``step-N`` is either complete or damaged later (truncated, corru
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -248,70 +249,113 @@ def find(root: str, resume: str, report=None) -> tuple[str, dict] | None:
 
 # -- config identity --------------------------------------------------------------------------------------------
 def training_config(cfg) -> dict:
-    """The config fields that change what is trained (not where outputs go, how it is logged or how many workers:
-    the world size has its own policy, checkpoint.on_world_change). JSON-normalised."""
-    d = cfg.to_dict()
-    acc = {k: v for k, v in d["accumulation"].items() if k != "schedule"}
-    raw = cfg.accumulation.schedule  # as written (with global_batch the factor depends on the world: not hashed)
-    if raw is not None:
-        from accum_sched.schedule import AccumulationSchedule
+    """The config keys that change what is trained, nested by section: every key marked ``train=True`` in
+    launcher/config/sections.py (not where outputs go, how it is logged or how many workers: the world size has its
+    own policy, checkpoint.on_world_change), each only where its value differs from its default, so that a key
+    added with its default leaves the hash of a checkpoint made before alone. A section written as null is null.
+    JSON-normalised; the schedule as its milestones."""
+    out: dict = {}
+    for path, value in _training_values(cfg).items():
+        section = path.split(".")[0]
+        if value is _NULL_SECTION:
+            out[section] = None
+        elif value != _training_defaults()[path]:
+            node = out.setdefault(section, {})
+            *middle, last = path.split(".")[1:]
+            for part in middle:
+                node = node.setdefault(part, {})
+            node[last] = value
+    return out
 
-        raw = [list(m) for m in AccumulationSchedule(raw, cfg.accumulation.unit).milestones]
-    acc["schedule"] = raw
-    sub = {
-        "run": {k: d["run"][k] for k in ("seed", "epochs", "precision")},
-        "task": d["task"],
-        "data": {k: d["data"][k] for k in ("micro_batch_size", "shuffle", "drop_last")},
-        "accumulation": acc,
-        "optimizer": d["optimizer"],
-        "lr_scheduler": d["lr_scheduler"],
-        "distributed": {k: d["distributed"][k] for k in ("backend", "deepspeed_config")},
-    }
-    if d["distributed"]["backend"] == "fsdp":  # mixed precision changes the numbers; sync mode, wrapping, offload
-        fsdp = d["distributed"]["fsdp"]  # do not (an OOM may be answered by resuming with every_micro_batch)
-        sub["distributed"]["fsdp"] = {k: fsdp[k] for k in ("param_dtype", "reduce_dtype")}
-    return json.loads(json.dumps(sub, sort_keys=True, default=str))
+
+_NULL_SECTION = object()
+
+
+def _training_values(cfg) -> dict:
+    """``{path: value}`` of every training key of ``cfg``, JSON-normalised; a null section's keys are _NULL_SECTION."""
+    from launcher.config.schema import key_paths
+
+    d = cfg.to_dict()
+    values = {}
+    for path, field in key_paths().items():
+        if not field.train:
+            continue
+        section, *parts = path.split(".")
+        node = d[section]
+        if node is None:
+            values[path] = _NULL_SECTION
+            continue
+        for part in parts:
+            node = node[part]
+        # the schedule as written (with global_batch the factor depends on the world: not hashed)
+        if path == "accumulation.schedule" and node is not None:
+            from accum_sched.schedule import AccumulationSchedule
+
+            node = [list(m) for m in AccumulationSchedule(node, cfg.accumulation.unit).milestones]
+        values[path] = _json(node)
+    return values
+
+
+def _json(value):
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=1)
+def _training_defaults() -> dict:
+    """``{path: default}`` of every training key, JSON-normalised; a required key's is _MISSING (always hashed)."""
+    from launcher.config.schema import REQUIRED, key_paths
+
+    return {path: _MISSING if f.default is REQUIRED else _json(f.default) for path, f in key_paths().items() if f.train}
 
 
 def config_hash(cfg) -> str:
     return hashlib.sha256(json.dumps(training_config(cfg), sort_keys=True).encode()).hexdigest()
 
 
-def _flatten(d, prefix="") -> dict:
-    out = {}
-    for k, v in (d or {}).items():
-        if isinstance(v, dict) and v and prefix.count(".") < 1:
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _schema_default(field: str):
-    from launcher.config import REQUIRED, SCHEMA
-
-    section, _, key = field.partition(".")
-    default = SCHEMA.get(section, {}).get(key)
-    return _MISSING if default is None or default.default is REQUIRED else default.default
-
-
 _MISSING = object()
+
+
+def _recorded(config: dict | None) -> dict:
+    """``{path: value}`` of every training key in a manifest's ``config`` (as training_config wrote it, now or in an
+    earlier release), defaults filled in for keys it does not hold; a section recorded as null is ``{section:
+    None}``. Keys no longer in the schema, or no longer training-relevant, are left out."""
+    flat: dict = {}
+    for path, default in _training_defaults().items():
+        section, *parts = path.split(".")
+        node = (config or {}).get(section, {})
+        if node is None:
+            flat[section] = None
+            continue
+        for part in parts:
+            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+        flat[path] = (None if default is _MISSING else default) if node is _MISSING else node
+    return flat
 
 
 def config_differences(manifest: dict, cfg) -> list[tuple[str, object, object]]:
     """``[(field, value in the checkpoint, value now)]`` for training fields that differ; empty if none.
 
-    A field the checkpoint does not know (added to the schema since) counts as equal while it has its default."""
+    A key the checkpoint does not record (at its default then, or added to the schema since) counts as its
+    default; a section null on one side only is one difference, named by the section."""
     if manifest.get("config_hash") == config_hash(cfg):
         return []
-    old, new = _flatten(manifest.get("config")), _flatten(training_config(cfg))
+    old, new = _recorded(manifest.get("config")), _recorded(training_config(cfg))
     diffs = []
-    for k in sorted(set(old) | set(new)):
-        if k not in old and new.get(k) == _schema_default(k):
-            continue
-        if old.get(k, _MISSING) != new.get(k, _MISSING):
-            diffs.append((k, old.get(k), new.get(k)))
-    return diffs
+    for section in sorted(k for k in old.keys() | new.keys() if "." not in k):  # null on at least one side
+        was, now = _section(old, section), _section(new, section)
+        if was != now:
+            diffs.append((section, was, now))
+    for k in sorted(old.keys() & new.keys()):  # both sides' sections are present
+        if "." in k and old[k] != new[k]:
+            diffs.append((k, old[k], new[k]))
+    return sorted(diffs, key=lambda d: d[0])
+
+
+def _section(flat: dict, section: str):
+    """None for a section recorded as null, else its training keys ``{key: value}`` (nested keys by their path)."""
+    if section in flat:
+        return flat[section]
+    return {k[len(section) + 1:]: v for k, v in flat.items() if k.startswith(section + ".")}
 
 
 def check_config(path: str, manifest: dict, cfg) -> list[tuple[str, object, object]]:

@@ -1,27 +1,36 @@
-"""The run configuration: schema with defaults, safe YAML loading, `--set a.b=value` overrides, one-line errors.
+"""The run configuration: validation against the sections, safe YAML loading, `--set a.b=value` overrides,
+one-line errors.
 
-No torch here (`accum-sched check` runs on login nodes). Validation returns a `Config`: nested read-only sections
-with attribute access (`cfg.data.micro_batch_size`) that serialise back to the resolved YAML written to
-`output_dir/config.yaml`.
+The keys are declared in sections.py (frozen dataclasses); ``SCHEMA`` is their validation view, ``{section: {key:
+Field}}``, derived from the declarations. No torch here (`accum-sched check` runs on login nodes). Validation
+returns a `Config` of read-only sections with attribute access (`cfg.data.micro_batch_size`) that serialise back to
+the resolved YAML written to `output_dir/config.yaml`.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
-from accum_sched.schedule import UNITS, AccumulationSchedule
 from launcher.config import noise as noise_config
+from launcher.config import sections
+from launcher.config.sections import LR_SCHEDULERS, OPTIMIZERS, Config, Section  # noqa: F401 (re-exported)
 from launcher.errors import ConfigError
 
-REQUIRED = object()
+REQUIRED = object()  # the default of a required key
 
 
 @dataclass(frozen=True)
 class Field:
+    """How one key is validated, derived from its declaration in sections.py."""
+
     kind: str  # int, float, str, bool, mapping, schedule, any, list, section (a nested mapping with its own schema)
     default: Any = REQUIRED
     choices: tuple | None = None
@@ -29,216 +38,80 @@ class Field:
     check: Callable[[Any], str | None] | None = None  # returns a problem ("must be >= 1") or None
     hint: str = ""
     schema: dict | None = None  # kind "section": the nested keys, validated like a section's (a.b.c paths)
+    doc: str = ""  # the key's line in the reference (python -m launcher.config.reference)
+    train: bool = False  # part of the checkpoint's config hash (launcher/checkpoint/store.py: training_config)
 
 
-def _at_least(low):
-    return lambda v: None if v >= low else f"must be >= {low}, got {v}"
+_KINDS = {int: "int", float: "float", str: "str", bool: "bool", dict: "mapping", list: "list"}
 
 
-def _positive(v):
-    return None if v > 0 else f"must be > 0, got {v}"
+def _kind(annotation) -> tuple[str, bool]:
+    """``(kind, nullable)`` of a type annotation: ``int | None`` is ("int", True), a union of several is "any"."""
+    args = typing.get_args(annotation)
+    nullable = False
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        nullable = len(rest) < len(args)
+        annotation = rest[0] if len(rest) == 1 else Any
+    base = typing.get_origin(annotation) or annotation
+    if isinstance(base, type) and issubclass(base, sections.Section):
+        return "section", nullable
+    return _KINDS.get(base, "any"), nullable
 
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
-LR_SCHEDULERS = ("constant", "linear", "cosine", "onecycle")
+def fields_of(cls) -> dict[str, Field]:
+    """The validation view of a section dataclass: ``{key: Field}`` in declaration order."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        kind, nullable = _kind(hints[f.name])
+        kind = meta.get("kind") or kind
+        schema = fields_of(f.default_factory) if kind == "section" else None
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            made = f.default_factory()
+            default = made.to_dict() if isinstance(made, sections.Section) else made
+        else:
+            default = REQUIRED
+        out[f.name] = Field(kind, default, meta.get("choices"), nullable, meta.get("check"), meta.get("hint", ""),
+                            schema, meta.get("doc", ""), bool(meta.get("train")))
+    return out
 
 
-def _name_or_path(known):
-    def check(value):
-        from launcher.import_path import looks_like_path
-
-        if value in known or looks_like_path(value):
-            return None
-        return f"{value!r} is not one of {', '.join(known)} nor an import path"
-    return check
+_CONFIG_HINTS = typing.get_type_hints(Config)
 
 
-def _wrap_value(v):
-    if v == "auto":
-        return None
-    if isinstance(v, list) and v and all(isinstance(c, str) and c.strip() for c in v):
-        return None
-    return f"expected 'auto' or a non-empty list of module class names, got {v!r}"
+def _section_class(annotation) -> type:
+    """RunConfig of ``RunConfig``, LRSchedulerConfig of ``LRSchedulerConfig | None``."""
+    return next(a for a in typing.get_args(annotation) or (annotation,) if a is not type(None))
 
 
-DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
-# distributed.fsdp (backend: fsdp; launcher/backends/fsdp.py applies them)
-FSDP_SCHEMA: dict[str, Field] = {
-    "gradient_sync": Field("str", "boundary", choices=("boundary", "every_micro_batch")),
-    # module class names to fully_shard one by one before the root, or auto: the model's _no_split_modules
-    "wrap": Field("any", "auto", check=_wrap_value, hint="write auto or e.g. [GPT2Block]"),
-    "reshard_after_forward": Field("bool", True),
-    "param_dtype": Field("str", None, nullable=True, choices=DTYPES),
-    "reduce_dtype": Field("str", None, nullable=True, choices=DTYPES),
-    "cpu_offload": Field("bool", False),
-}
+SECTION_CLASSES: dict[str, type] = {f.name: _section_class(_CONFIG_HINTS[f.name]) for f in dataclasses.fields(Config)}
+SCHEMA: dict[str, dict[str, Field]] = {name: fields_of(cls) for name, cls in SECTION_CLASSES.items()}
+FSDP_SCHEMA: dict[str, Field] = SCHEMA["distributed"]["fsdp"].schema
 
 
-SCHEMA: dict[str, dict[str, Field]] = {
-    "run": {
-        "output_dir": Field("str", "runs/run"),
-        "seed": Field("int", 0),
-        "epochs": Field("int", 1, check=_at_least(1)),
-        "precision": Field("str", "fp32", choices=("fp32", "bf16", "fp16")),
-    },
-    "task": {
-        "target": Field("str", hint="write 'module:function' or 'builtin:regression'"),
-        "args": Field("mapping", {}),
-    },
-    "data": {
-        "micro_batch_size": Field("int", check=_at_least(1)),
-        "shuffle": Field("bool", True),
-        "drop_last": Field("bool", False),
-        "num_workers": Field("int", 0, check=_at_least(0)),
-    },
-    "accumulation": {
-        "schedule": Field("schedule", None, nullable=True),  # None: factor 1, or derived from global_batch
-        "global_batch": Field("int", None, nullable=True, check=_at_least(1)),
-        "lr_coupling": Field("str", "none", choices=("none", "linear", "sqrt", "adascale")),
-        "unit": Field("str", "epoch", choices=UNITS),
-        "normalize": Field("str", "elements", choices=("elements", "micro_batches")),
-        "uneven": Field("str", "truncate", choices=("truncate", "error")),
-        "nonfinite": Field("str", "skip", choices=("skip", "raise")),
-        # the gradient noise scale of every window, and a factor that follows it (launcher/config/noise.py)
-        "noise_scale": Field("bool", False),
-        "adaptive": Field("mapping", None, nullable=True),
-    },
-    "optimizer": {
-        "name": Field("str", "adamw", check=_name_or_path(OPTIMIZERS),
-                      hint="use sgd, adam, adamw or an import path such as torch.optim.RMSprop or mypkg.optim:Lion"),
-        "args": Field("mapping", {}),  # extra keyword arguments of the optimizer's constructor
-        "no_decay": Field("list", []),  # parameter name parts without weight decay, e.g. [bias, norm]
-        "lr": Field("float", 1e-3, check=_positive),
-        "weight_decay": Field("float", None, nullable=True, check=_at_least(0)),
-        "momentum": Field("float", None, nullable=True, check=_at_least(0)),
-        "betas": Field("list", None, nullable=True),
-        "eps": Field("float", None, nullable=True, check=_positive),
-        "max_grad_norm": Field("float", None, nullable=True, check=_positive),
-    },
-    "lr_scheduler": {
-        "name": Field("str", "constant", check=_name_or_path(LR_SCHEDULERS),
-                      hint="use constant, linear, cosine, onecycle or an import path such as "
-                           "torch.optim.lr_scheduler.StepLR"),
-        "args": Field("mapping", {}),  # extra keyword arguments of the scheduler's constructor
-        "warmup_steps": Field("int", 0, check=_at_least(0)),
-        "min_lr": Field("float", 0.0, check=_at_least(0)),
-    },
-    # Validation (launcher/train/evaluate.py): after every n epochs and/or every n optimizer steps, when the task returns a
-    # val_dataset. monitor/mode choose model-best.pt; early_stop is null or {patience, min_delta}.
-    "eval": {
-        "every_n_epochs": Field("int", 1, nullable=True, check=_at_least(1)),
-        "every_n_steps": Field("int", None, nullable=True, check=_at_least(1)),
-        "micro_batch_size": Field("int", None, nullable=True, check=_at_least(1)),
-        "monitor": Field("str", "val_loss"),
-        "mode": Field("str", "min", choices=("min", "max")),
-        "early_stop": Field("any", None, nullable=True),
-    },
-    "distributed": {
-        "backend": Field("str", "ddp", choices=("ddp", "deepspeed", "fsdp")),
-        "nproc_per_node": Field("int", 1, check=_at_least(1)),
-        "nnodes": Field("int", 1, check=_at_least(1)),
-        "process_group": Field("str", "auto", choices=("auto", "gloo", "nccl")),
-        "find_unused_parameters": Field("bool", False),
-        "timeout_s": Field("int", 600, check=_at_least(10)),
-        "max_restarts": Field("int", 0, check=_at_least(0)),
-        "deepspeed_config": Field("any", None, nullable=True),
-        "fsdp": Field("section", {k: f.default for k, f in FSDP_SCHEMA.items()}, schema=FSDP_SCHEMA),
-    },
-    "checkpoint": {
-        "every_n_steps": Field("int", None, nullable=True, check=_at_least(1)),
-        "keep_last": Field("int", 2, check=_at_least(1)),
-        "dir": Field("str", None, nullable=True),
-        # resume a checkpoint made under different training fields (see launcher/checkpoint/store.py)
-        "force_resume": Field("bool", False),
-        # resuming on another world size: error | keep_global_batch | keep_factor (notes/checkpoint.md)
-        "on_world_change": Field("str", "error", choices=("error", "keep_global_batch", "keep_factor")),
-        # how long ranks wait while rank 0 writes, hashes or verifies a checkpoint (launcher/train/coordination.py)
-        "timeout_s": Field("int", 3600, check=_at_least(10)),
-    },
-    "logging": {
-        "progress": Field("str", "auto", choices=("auto", "bar", "plain", "none")),
-        "tensorboard": Field("str", "auto", choices=("auto", "on", "off")),
-        "log_every": Field("int", 10, check=_at_least(1)),
-    },
-    # `accum-sched slurm` only (launcher/launch/slurm.py checks the formats); nodes and workers per node come
-    # from distributed.nnodes / distributed.nproc_per_node.
-    "slurm": {
-        "template": Field("str", "torchrun", hint="torchrun, per_task or the path of a .sbatch template"),
-        "gpus_per_node": Field("int", 0, check=_at_least(0)),
-        "cpus_per_worker": Field("int", 1, check=_at_least(1)),
-        "partition": Field("str", None, nullable=True),
-        "account": Field("str", None, nullable=True),
-        "time": Field("any", None, nullable=True),  # a string: YAML reads an unquoted 1:30:00 as the int 5400
-        "job_name": Field("str", None, nullable=True),
-        "signal": Field("str", "USR2@90"),
-        "requeue": Field("bool", True),
-        "extra_sbatch": Field("list", []),
-        "setup": Field("list", []),
-    },
-}
+def key_paths() -> dict[str, Field]:
+    """Every key by its full path (``distributed.fsdp.param_dtype``), a nested section's keys in place of the
+    section. A key inside a nested section is training-relevant when it and its section both are marked so."""
+    out = {}
+
+    def walk(prefix: str, fields: dict[str, Field], train: bool) -> None:
+        for name, field in fields.items():
+            if field.kind == "section":
+                walk(f"{prefix}{name}.", field.schema, train and field.train)
+            else:
+                out[f"{prefix}{name}"] = dataclasses.replace(field, train=train and field.train)
+    for section, fields in SCHEMA.items():
+        walk(f"{section}.", fields, True)
+    return out
+
+
 # Sections that may be written as `null` as a whole (e.g. `lr_scheduler: null` for a constant LR).
-NULLABLE_SECTIONS = {"lr_scheduler"}
-REQUIRED_SECTIONS = {"task", "data"}
-
-
-class Section:
-    """A read-only config section with attribute access."""
-
-    def __init__(self, name: str, values: dict):
-        object.__setattr__(self, "_name", name)
-        object.__setattr__(self, "_values", dict(values))
-
-    def __getattr__(self, key):
-        try:
-            return self._values[key]
-        except KeyError:
-            raise AttributeError(f"config section {self._name!r} has no key {key!r}") from None
-
-    def __setattr__(self, key, value):
-        raise AttributeError("config sections are read-only; use --set or replace()")
-
-    def get(self, key, default=None):
-        return self._values.get(key, default)
-
-    def to_dict(self) -> dict:
-        return dict(self._values)
-
-
-class Config:
-    """A validated configuration. ``cfg.section.key``; ``cfg.lr_scheduler`` is None when written as null."""
-
-    def __init__(self, sections: dict[str, dict | None]):
-        self._sections = {k: (None if v is None else Section(k, v)) for k, v in sections.items()}
-
-    def __getattr__(self, name):
-        try:
-            return self.__dict__["_sections"][name]
-        except KeyError:
-            raise AttributeError(f"config has no section {name!r}") from None
-
-    def to_dict(self) -> dict:
-        return {k: (None if v is None else v.to_dict()) for k, v in self._sections.items()}
-
-    @property
-    def schedule(self) -> AccumulationSchedule:
-        return self.schedule_for(self.world_size)
-
-    def schedule_for(self, world_size: int) -> AccumulationSchedule:
-        """The schedule at ``world_size`` ranks: as written, or the constant factor of ``global_batch``."""
-        acc = self.accumulation
-        if acc.global_batch is None:
-            return AccumulationSchedule(1 if acc.schedule is None else acc.schedule, acc.unit)
-        per_factor = self.data.micro_batch_size * world_size
-        if acc.global_batch % per_factor:
-            raise ConfigError("accumulation.global_batch",
-                              f"{acc.global_batch} is not a multiple of micro_batch_size x world = "
-                              f"{self.data.micro_batch_size} x {world_size} = {per_factor}",
-                              "choose a global batch that micro x world divides, or change the micro-batch")
-        return AccumulationSchedule(acc.global_batch // per_factor, acc.unit)
-
-    @property
-    def world_size(self) -> int:
-        return self.distributed.nproc_per_node * self.distributed.nnodes
+NULLABLE_SECTIONS = {name for name in SCHEMA if _kind(_CONFIG_HINTS[name])[1]}
+REQUIRED_SECTIONS = {name for name, keys in SCHEMA.items() if any(f.default is REQUIRED for f in keys.values())}
 
 
 def _did_you_mean(word: str, options) -> str:
@@ -317,12 +190,12 @@ def validate(raw: dict) -> Config:
     for name in raw:
         if name not in SCHEMA:
             raise ConfigError(str(name), "unknown section", _did_you_mean(str(name), SCHEMA))
-    sections: dict[str, dict | None] = {}
+    built: dict[str, Section | None] = {}
     for name, fields in SCHEMA.items():
         given = raw.get(name, {} if name not in REQUIRED_SECTIONS else None)
         if given is None:
             if name in NULLABLE_SECTIONS and name in raw:
-                sections[name] = None
+                built[name] = None
                 continue
             if name in REQUIRED_SECTIONS:
                 raise ConfigError(name, "section is missing", f"add a '{name}:' section")
@@ -341,8 +214,8 @@ def validate(raw: dict) -> Config:
                 raise ConfigError(path, "is required", field.hint or f"add '{key}:' under '{name}:'")
             else:
                 values[key] = dict(field.default) if field.kind == "section" else field.default
-        sections[name] = values
-    cfg = Config(sections)
+        built[name] = sections.make(SECTION_CLASSES[name], values)
+    cfg = Config(**built)
     _cross_check(cfg)
     if cfg.distributed.backend == "deepspeed":
         from launcher.backends import deepspeed as deepspeed_setup  # its JSON may hold the schedule (torch-free; it never imports us)

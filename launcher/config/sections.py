@@ -1,0 +1,347 @@
+"""The config's sections as frozen dataclasses: every key with its type, default, check, one-line doc and mark.
+
+The dataclasses are the schema. Each key is declared with :func:`key`, whose metadata holds what validation needs
+(choices, check, hint), the line of the reference in docs/cli.md (``doc``, printed by
+``python -m launcher.config.reference``) and ``train``: whether the key changes what is trained. The checkpoint's
+config hash (launcher/checkpoint/store.py: training_config) covers exactly the keys marked ``train=True``, so every
+new key has to say (the argument is required) whether a checkpoint made under another value may be resumed. The
+hash leaves out keys at their default, so a key added with its default keeps older checkpoints resumable; the other
+side of that: changing the default of a hashed key changes what older checkpoints recorded by leaving it out.
+
+The type of a key is its annotation: ``int``, ``float``, ``str``, ``bool``, ``dict`` (a mapping), ``list``, a union
+of several (any value, left to the check), a nested section (``FSDPConfig``); ``| None`` allows null. Validation and
+coercion live in schema.py; torch-free, like all of launcher/config.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar
+
+from accum_sched.schedule import UNITS, AccumulationSchedule
+from launcher.errors import ConfigError
+
+
+def key(default: Any = MISSING, *, doc: str, train: bool, choices: tuple | None = None, check=None, hint: str = "",
+        kind: str | None = None):
+    """A config key. ``default`` omitted: required. ``train``: the key is part of the checkpoint's config hash.
+    ``check(value)`` returns a problem ("must be >= 1, got 0") or None; ``hint`` is the error line's how-to-fix;
+    ``kind`` overrides what the annotation says (only "schedule": plain YAML data checked later with its unit)."""
+    meta = {"doc": doc, "train": train, "choices": choices, "check": check, "hint": hint, "kind": kind}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=functools.partial(copy.deepcopy, default), metadata=meta)
+    if isinstance(default, type):  # a nested section: its own defaults
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+class Section(Mapping):
+    """A read-only config section: ``section.key``, ``section["key"]``, ``section.get(key)``, ``to_dict()``."""
+
+    SECTION: ClassVar[str] = ""  # the path of the section in the config ("distributed.fsdp")
+
+    def __getattr__(self, key):  # only reached for keys the dataclass does not have
+        raise AttributeError(f"config section {self.SECTION!r} has no key {key!r}")
+
+    def __getitem__(self, key):
+        if key not in self.keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(fields(self))
+
+    def keys(self):
+        return [f.name for f in fields(self)]
+
+    def to_dict(self) -> dict:
+        """Plain data, nested sections included (what config.yaml holds)."""
+        return {k: (v.to_dict() if isinstance(v, Section) else v) for k, v in ((k, getattr(self, k)) for k in self)}
+
+
+def make(cls, values: dict):
+    """``cls(**values)`` with nested sections given as mappings built too."""
+    kinds = {f.name: f.default_factory for f in fields(cls) if isinstance(f.default_factory, type)
+             and issubclass(f.default_factory, Section)}
+    return cls(**{k: (make(kinds[k], v) if k in kinds and isinstance(v, dict) else v) for k, v in values.items()})
+
+
+# -- checks -----------------------------------------------------------------------------------------------------
+def at_least(low):
+    return lambda v: None if v >= low else f"must be >= {low}, got {v}"
+
+
+def positive(v):
+    return None if v > 0 else f"must be > 0, got {v}"
+
+
+def name_or_path(known):
+    def check(value):
+        from launcher.import_path import looks_like_path
+
+        if value in known or looks_like_path(value):
+            return None
+        return f"{value!r} is not one of {', '.join(known)} nor an import path"
+    return check
+
+
+def wrap_value(v):
+    if v == "auto":
+        return None
+    if isinstance(v, list) and v and all(isinstance(c, str) and c.strip() for c in v):
+        return None
+    return f"expected 'auto' or a non-empty list of module class names, got {v!r}"
+
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCHEDULERS = ("constant", "linear", "cosine", "onecycle")
+DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+
+
+# -- the sections -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class RunConfig(Section):
+    SECTION: ClassVar[str] = "run"
+    output_dir: str = key("runs/run", train=False, doc="the run directory")
+    seed: int = key(0, train=True, doc="seeds python, numpy and torch (identical initial weights on every rank) "
+                                       "and the sampler")
+    epochs: int = key(1, train=True, check=at_least(1), doc="epochs to train")
+    precision: str = key("fp32", train=True, choices=("fp32", "bf16", "fp16"),
+                         doc="`fp32`, `bf16` (autocast) or `fp16` (autocast + GradScaler, CPU or GPU); see "
+                             "[Precision](training.md#precision)")
+
+
+@dataclass(frozen=True, eq=False)
+class TaskConfig(Section):
+    SECTION: ClassVar[str] = "task"
+    target: str = key(train=True, hint="write 'module:function' or 'builtin:regression'",
+                      doc="`module:function` or `builtin:regression` / `builtin:charlm` / `builtin:hf_causal_lm`")
+    args: dict = key({}, train=True, doc="keyword arguments of the task function")
+
+
+@dataclass(frozen=True, eq=False)
+class DataConfig(Section):
+    SECTION: ClassVar[str] = "data"
+    micro_batch_size: int = key(train=True, check=at_least(1), doc="samples per micro-batch per rank")
+    shuffle: bool = key(True, train=True, doc="DistributedSampler shuffling (re-seeded every epoch with `set_epoch`)")
+    drop_last: bool = key(False, train=True, doc="drop each rank's short last micro-batch (the sampler always pads "
+                                                 "ranks to equal length)")
+    num_workers: int = key(0, train=False, check=at_least(0), doc="DataLoader workers")
+
+
+@dataclass(frozen=True, eq=False)
+class AccumulationConfig(Section):
+    SECTION: ClassVar[str] = "accumulation"
+    schedule: dict[int, int] | str | int | None = key(
+        None, train=True, kind="schedule",
+        doc="factor per epoch (or `unit`), e.g. `{0: 1, 4: 2}`; null: factor 1 or `global_batch`'s; see "
+            "[Schedules](guide.md#schedules)")
+    global_batch: int | None = key(None, train=True, check=at_least(1),
+                                   doc="fixed global batch instead of a schedule (the factor follows the world size)")
+    lr_coupling: str = key("none", train=True, choices=("none", "linear", "sqrt", "adascale"),
+                           doc="`none`, `linear`, `sqrt`, `adascale` (needs the noise scale; see "
+                               "[adaptive](adaptive.md))")
+    unit: str = key("epoch", train=True, choices=UNITS, doc="what the schedule is keyed by: `epoch`, `step`, "
+                                                            "`samples`, `tokens`")
+    normalize: str = key("elements", train=True, choices=("elements", "micro_batches"),
+                         doc="`elements` (exact) or `micro_batches` (Lightning's rule)")
+    uneven: str = key("truncate", train=True, choices=("truncate", "error"),
+                      doc="ranks with loaders of different length: `truncate` or `error`")
+    nonfinite: str = key("skip", train=True, choices=("skip", "raise"),
+                         doc="a non-finite gradient: `skip` the step or `raise`")
+    # the gradient noise scale of every window, and a factor that follows it (launcher/config/noise.py)
+    noise_scale: bool = key(False, train=True, doc="measure the gradient noise scale of every step into "
+                                                   "metrics.jsonl ([adaptive](adaptive.md))")
+    adaptive: dict | None = key(None, train=True,
+                                doc="`{min_factor, max_factor, every_n_steps, ema, hysteresis}`: the factor follows "
+                                    "the noise scale instead of a schedule ([adaptive](adaptive.md))")
+
+
+@dataclass(frozen=True, eq=False)
+class OptimizerConfig(Section):
+    SECTION: ClassVar[str] = "optimizer"
+    name: str = key("adamw", train=True, check=name_or_path(OPTIMIZERS),
+                    hint="use sgd, adam, adamw or an import path such as torch.optim.RMSprop or mypkg.optim:Lion",
+                    doc="`sgd`, `adam`, `adamw` (torch's defaults for anything not given; SGD momentum 0) or an "
+                        "import path, see [Optimizers](training.md#optimizers-and-lr-schedulers-by-import-path)")
+    args: dict = key({}, train=True, doc="extra keyword arguments of the optimizer's constructor")
+    no_decay: list[str] = key([], train=True, doc="parameter name parts without weight decay, e.g. `[bias, norm]`")
+    lr: float = key(1e-3, train=True, check=positive, doc="learning rate")
+    weight_decay: float | None = key(None, train=True, check=at_least(0), doc="weight decay; null: torch's default")
+    momentum: float | None = key(None, train=True, check=at_least(0), doc="SGD only; null: torch's default")
+    betas: list[float] | None = key(None, train=True, doc="Adam/AdamW only, e.g. `[0.9, 0.999]`; null: torch's default")
+    eps: float | None = key(None, train=True, check=positive, doc="Adam's epsilon; null: torch's default")
+    max_grad_norm: float | None = key(None, train=True, check=positive,
+                                      doc="clip the global gradient norm on every step")
+
+
+@dataclass(frozen=True, eq=False)
+class LRSchedulerConfig(Section):
+    SECTION: ClassVar[str] = "lr_scheduler"
+    name: str = key("constant", train=True, check=name_or_path(LR_SCHEDULERS),
+                    hint="use constant, linear, cosine, onecycle or an import path such as "
+                         "torch.optim.lr_scheduler.StepLR",
+                    doc="`constant`, `linear`, `cosine`, `onecycle` (totals from the schedule-aware step count) or "
+                        "the import path of a scheduler class")
+    args: dict = key({}, train=True, doc="keyword arguments of a scheduler given by import path")
+    warmup_steps: int = key(0, train=True, check=at_least(0), doc="linear warm-up steps of the built-in schedulers")
+    min_lr: float = key(0.0, train=True, check=at_least(0), doc="the LR the built-in schedulers decay to")
+
+
+# Validation (launcher/train/evaluate.py): after every n epochs and/or every n optimizer steps, when the task returns a
+# val_dataset. monitor/mode choose model-best.pt; early_stop is null or {patience, min_delta}.
+@dataclass(frozen=True, eq=False)
+class EvalConfig(Section):
+    SECTION: ClassVar[str] = "eval"
+    every_n_epochs: int | None = key(1, train=False, check=at_least(1),
+                                     doc="validate after every N-th epoch (null: never at epoch ends); see "
+                                         "[Validation](training.md#validation)")
+    every_n_steps: int | None = key(None, train=False, check=at_least(1),
+                                    doc="also validate after every N optimizer steps (mid-epoch)")
+    micro_batch_size: int | None = key(None, train=False, check=at_least(1),
+                                       doc="batch size of the evaluation; null: `data.micro_batch_size`")
+    monitor: str = key("val_loss", train=False, doc="what model-best.pt and early stopping look at: `val_loss` or "
+                                                    "a `metrics_fn` name")
+    mode: str = key("min", train=False, choices=("min", "max"), doc="`min` or `max` of `eval.monitor` is best")
+    early_stop: dict | None = key(None, train=False, kind="any", doc="null, or `{patience: 3, min_delta: 0.0}`")
+
+
+# distributed.fsdp (backend: fsdp; launcher/backends/fsdp.py applies them). Mixed precision changes the numbers;
+# sync mode, wrapping and offload do not (an OOM may be answered by resuming with every_micro_batch).
+@dataclass(frozen=True, eq=False)
+class FSDPConfig(Section):
+    SECTION: ClassVar[str] = "distributed.fsdp"
+    gradient_sync: str = key("boundary", train=False, choices=("boundary", "every_micro_batch"),
+                             doc="`boundary`: one reduce-scatter per optimizer step; `every_micro_batch`: one per "
+                                 "micro-batch; see [FSDP2](fsdp.md)")
+    # module class names to fully_shard one by one before the root, or auto: the model's _no_split_modules
+    wrap: str | list[str] = key("auto", train=False, check=wrap_value, hint="write auto or e.g. [GPT2Block]",
+                                doc="class names of the modules sharded one by one, or `auto`: the model's "
+                                    "`_no_split_modules`")
+    reshard_after_forward: bool = key(True, train=False, doc="free gathered parameters after the forward")
+    param_dtype: str | None = key(None, train=True, choices=DTYPES,
+                                  doc="compute dtype (FSDP2's `MixedPrecisionPolicy`); null: the parameters'")
+    reduce_dtype: str | None = key(None, train=True, choices=DTYPES,
+                                   doc="dtype of the gradient reduce-scatter; null: `param_dtype`")
+    cpu_offload: bool = key(False, train=False, doc="FSDP2's `CPUOffloadPolicy`")
+
+
+@dataclass(frozen=True, eq=False)
+class DistributedConfig(Section):
+    SECTION: ClassVar[str] = "distributed"
+    backend: str = key("ddp", train=True, choices=("ddp", "deepspeed", "fsdp"), doc="`ddp`, `deepspeed` or `fsdp`")
+    # the world size is not hashed: resuming on another one has its own policy, checkpoint.on_world_change
+    nproc_per_node: int = key(1, train=False, check=at_least(1), doc="workers per node")
+    nnodes: int = key(1, train=False, check=at_least(1), doc="nodes")
+    process_group: str = key("auto", train=False, choices=("auto", "gloo", "nccl"),
+                             doc="`auto` (nccl with CUDA, else gloo), `gloo`, `nccl`")
+    find_unused_parameters: bool = key(False, train=False, doc="passed to DDP")
+    timeout_s: int = key(600, train=False, check=at_least(10), doc="process-group timeout")
+    max_restarts: int = key(0, train=False, check=at_least(0), doc="torchrun restarts of a failed worker group")
+    deepspeed_config: Any | None = key(None, train=True, doc="DeepSpeed JSON path or inline mapping; see "
+                                                             "[DeepSpeed](deepspeed.md)")
+    fsdp: FSDPConfig = key(FSDPConfig, train=True, doc="FSDP2 settings (`backend: fsdp`)")
+
+
+@dataclass(frozen=True, eq=False)
+class CheckpointConfig(Section):
+    SECTION: ClassVar[str] = "checkpoint"
+    every_n_steps: int | None = key(None, train=False, check=at_least(1),
+                                    doc="also checkpoint every N optimizer steps (always at epoch ends); see "
+                                        "[Checkpoints](checkpoints.md)")
+    keep_last: int = key(2, train=False, check=at_least(1), doc="checkpoints kept")
+    dir: str | None = key(None, train=False, doc="null: `<run.output_dir>/checkpoints`")
+    # resume a checkpoint made under different training fields (see launcher/checkpoint/store.py)
+    force_resume: bool = key(False, train=False, doc="resume a checkpoint made under other training fields (the "
+                                                     "differences are printed as warnings)")
+    # resuming on another world size: error | keep_global_batch | keep_factor (notes/checkpoint.md)
+    on_world_change: str = key("error", train=False, choices=("error", "keep_global_batch", "keep_factor"),
+                               doc="resuming on another number of workers: `error`, `keep_global_batch` or "
+                                   "`keep_factor`")
+    # how long ranks wait while rank 0 writes, hashes or verifies a checkpoint (launcher/train/coordination.py)
+    timeout_s: int = key(3600, train=False, check=at_least(10),
+                         doc="how long ranks wait while rank 0 writes, hashes or verifies a checkpoint")
+
+
+@dataclass(frozen=True, eq=False)
+class LoggingConfig(Section):
+    SECTION: ClassVar[str] = "logging"
+    progress: str = key("auto", train=False, choices=("auto", "bar", "plain", "none"),
+                        doc="`auto` (bar on a TTY, plain lines otherwise), `bar`, `plain`, `none`")
+    tensorboard: str = key("auto", train=False, choices=("auto", "on", "off"),
+                           doc="event files in `output_dir/tensorboard` when TensorBoard is installed")
+    log_every: int = key(10, train=False, check=at_least(1), doc="plain progress line every N steps")
+
+
+# `accum-sched slurm` only (launcher/launch/slurm.py checks the formats); nodes and workers per node come
+# from distributed.nnodes / distributed.nproc_per_node.
+@dataclass(frozen=True, eq=False)
+class SlurmConfig(Section):
+    SECTION: ClassVar[str] = "slurm"
+    template: str = key("torchrun", train=False, hint="torchrun, per_task or the path of a .sbatch template",
+                        doc="`torchrun`, `per_task` or the path of an sbatch template; see [SLURM](slurm.md)")
+    gpus_per_node: int = key(0, train=False, check=at_least(0), doc="GPUs per node (one worker each)")
+    cpus_per_worker: int = key(1, train=False, check=at_least(1), doc="CPUs per worker")
+    partition: str | None = key(None, train=False, doc="sbatch `--partition`")
+    account: str | None = key(None, train=False, doc="sbatch `--account`")
+    # a string: YAML reads an unquoted 1:30:00 as the int 5400
+    time: str | int | None = key(None, train=False, doc="sbatch `--time`, quoted (`\"1-00:00:00\"`)")
+    job_name: str | None = key(None, train=False, doc="null: `accum-<run directory name>`")
+    signal: str = key("USR2@90", train=False, doc="the preemption warning (sbatch `--signal`)")
+    requeue: bool = key(True, train=False, doc="requeue the job after a preemption")
+    extra_sbatch: list[str] = key([], train=False, doc="more sbatch options, e.g. `[--qos=high]`")
+    setup: list[str] = key([], train=False, doc="shell lines run before the workers start")
+
+
+# -- the whole config -------------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class Config:
+    """A validated configuration. ``cfg.section.key``; ``cfg.lr_scheduler`` is None when written as null.
+
+    The fields are the sections in the order config.yaml lists them; a section typed ``X | None`` may be written as
+    null as a whole (``lr_scheduler: null`` for a constant LR), a section with a required key must be written."""
+
+    run: RunConfig
+    task: TaskConfig
+    data: DataConfig
+    accumulation: AccumulationConfig
+    optimizer: OptimizerConfig
+    lr_scheduler: LRSchedulerConfig | None
+    eval: EvalConfig
+    distributed: DistributedConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    slurm: SlurmConfig
+
+    def __getattr__(self, name):  # only reached for names that are not sections
+        raise AttributeError(f"config has no section {name!r}")
+
+    def to_dict(self) -> dict:
+        return {f.name: (None if v is None else v.to_dict()) for f, v in ((f, getattr(self, f.name))
+                                                                         for f in fields(self))}
+
+    @property
+    def schedule(self) -> AccumulationSchedule:
+        return self.schedule_for(self.world_size)
+
+    def schedule_for(self, world_size: int) -> AccumulationSchedule:
+        """The schedule at ``world_size`` ranks: as written, or the constant factor of ``global_batch``."""
+        acc = self.accumulation
+        if acc.global_batch is None:
+            return AccumulationSchedule(1 if acc.schedule is None else acc.schedule, acc.unit)
+        per_factor = self.data.micro_batch_size * world_size
+        if acc.global_batch % per_factor:
+            raise ConfigError("accumulation.global_batch",
+                              f"{acc.global_batch} is not a multiple of micro_batch_size x world = "
+                              f"{self.data.micro_batch_size} x {world_size} = {per_factor}",
+                              "choose a global batch that micro x world divides, or change the micro-batch")
+        return AccumulationSchedule(acc.global_batch // per_factor, acc.unit)
+
+    @property
+    def world_size(self) -> int:
+        return self.distributed.nproc_per_node * self.distributed.nnodes
