@@ -91,9 +91,9 @@ def test_old_manifests_on_disk_are_found_and_newer_ones_are_refused(tmp_path):
     newer = _checkpoint(root, "step-00000009-mb000011", dict(V2, version=VERSION + 1, **current))
     problems = []
     assert store.find(root, "auto", problems.append)[0] == first  # auto falls back past it, saying why
-    assert problems == [f"skipping damaged checkpoint: {os.path.join(newer, MANIFEST)}: manifest version "
-                        f"{VERSION + 1} is newer than this accum-sched reads ({VERSION}); resume it with the "
-                        f"release that wrote it"]
+    assert problems == [(f"skipping damaged checkpoint: {os.path.join(newer, MANIFEST)}: manifest version "
+                         f"{VERSION + 1} is newer than this accum-sched reads ({VERSION}); resume it with the "
+                         f"release that wrote it")]
     with pytest.raises(ConfigError, match="newer than this accum-sched"):
         store.find(root, newer)
 
@@ -182,3 +182,10 @@ def test_auto_with_nothing_to_resume_starts_afresh_in_both(tmp_path, capsys):
     root = os.path.abspath(store.checkpoint_root(cfg))
     assert f"accum-sched: --resume auto: no checkpoint in {root} yet; starting afresh" in capsys.readouterr().out
     assert plan_resume(cfg, 2, None).fresh and not plan_resume(cfg, 2, "auto").fresh
+
+
+def test_the_checks_answer_under_their_old_names_in_store():
+    from launcher.checkpoint import resume
+
+    for name in ("config_differences", "check_config", "factor_scale", "scaled_milestones", "POLICIES"):
+        assert getattr(store, name) is getattr(resume, name)

@@ -37,7 +37,7 @@ from launcher.checkpoint.rng import RankRng, rng_state, seed_rank, set_rng_state
 from launcher.train import coordination
 
 # names tests and benchmarks import from here
-__all__ = ["Checkpointer", "CheckpointError", "deal", "global_order", "own_optimizer_state", "rng_state",
+__all__ = ["CheckpointError", "Checkpointer", "deal", "global_order", "own_optimizer_state", "rng_state",
            "seed_rank", "set_rng_state"]
 
 DS_TAG = "deepspeed"
@@ -96,6 +96,7 @@ class Checkpointer:
         # every collective runs on the gloo coordination group (launcher/train/coordination.py), not the default one
         self.group = group if group is not None else coordination.group()
         self.ranks = Ranks(rank, world, self.group)
+        # the collectives under their old names (tests/test_gpu_readiness.py drives them on a real group)
         self._on_rank0, self._together, self._must_see = self.ranks.on_rank0, self.ranks.together, must_see
         self.device = device or torch.device("cpu")
         self.root = os.path.abspath(store.checkpoint_root(cfg))
@@ -105,7 +106,7 @@ class Checkpointer:
                        for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
         report = lambda problem: self.ranks.say(problem, sys.stderr)
         plan = lambda: plan_resume(cfg, world, resume, restarts=restarts, root=self.root, report=report)
-        # a fresh start reads no disk: every rank plans it alone, no collective (as before there was a plan)
+        # a fresh start reads no disk: every rank plans it alone, without a collective
         self.plan: ResumePlan = plan() if resume is None and restarts == 0 else self._on_rank0(plan)
         for note in self.plan.notes:
             self.ranks.say(note)
