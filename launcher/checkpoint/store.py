@@ -1,8 +1,9 @@
-"""Checkpoints on disk, without torch: names, manifests, checksums, discovery, the config hash, world-size policy.
+"""Checkpoints on disk, without torch: names, atomic commits, checksums, discovery, the config hash.
 
-`accum-sched run --resume` uses this before any worker starts (so a wrong config or world size is a one-line error
-with exit 2, and no torch import); the workers' Checkpointer (launcher/checkpoint/checkpointer.py) uses it to write and find
-checkpoints.
+`accum-sched run --resume` uses this before any worker starts (through launcher/checkpoint/resume.py, so a wrong
+config or world size is a one-line error with exit 2, and no torch import); the workers' Checkpointer
+(launcher/checkpoint/checkpointer.py) uses it to write and find checkpoints. The manifest's fields are
+launcher/checkpoint/manifest.py.
 
 A checkpoint is a directory ``<checkpoint.dir>/step-<8-digit optimizer step>/`` holding ``trainer.pt`` and, for
 DeepSpeed, the engine's own ``deepspeed/`` files, plus ``manifest.json`` (position, world, config hash and the
@@ -18,19 +19,26 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
 import time
 
+from launcher.checkpoint.manifest import FORMAT, MANIFEST, Manifest, ManifestError, migrate
 from launcher.errors import ConfigError
 
-FORMAT = 1
-MANIFEST = "manifest.json"
 STATE = "trainer.pt"
 _NAME = re.compile(r"^step-(\d{8,})(?:-mb(\d{6,}))?$")
-POLICIES = ("error", "keep_global_batch", "keep_factor")
+# the resume checks moved to launcher/checkpoint/resume.py; these names still answer here (see __getattr__)
+_MOVED_TO_RESUME = ("POLICIES", "check_config", "factor_scale", "scaled_milestones")
+
+
+def __getattr__(name: str):
+    if name in _MOVED_TO_RESUME:  # imported on use: resume.py imports this module
+        from launcher.checkpoint import resume
+
+        return getattr(resume, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def checkpoint_root(cfg) -> str:
@@ -116,10 +124,10 @@ class HashingFile:
             self._file.close()
 
 
-def commit(tmp: str, final: str, manifest: dict, hashed: dict | None = None) -> None:
+def commit(tmp: str, final: str, manifest: Manifest | dict, hashed: dict | None = None) -> None:
     """Write ``tmp``'s manifest and rename it to ``final`` (atomic, never in place). ``hashed`` maps files of tmp
     (relative paths) to entries their writers made while writing (:class:`HashingFile`); every other file is read
-    once to hash it (DeepSpeed's own)."""
+    once to hash it (DeepSpeed's own). A dict ``manifest`` is written as given (tests write partial ones)."""
     files = {}
     hashed = hashed or {}
     for base, _, names in os.walk(tmp):
@@ -130,10 +138,10 @@ def commit(tmp: str, final: str, manifest: dict, hashed: dict | None = None) -> 
                 files[rel] = dict(hashed[rel])
             else:
                 files[rel] = {"bytes": os.path.getsize(path), "sha256": file_digest(path)}
-    manifest = dict(manifest, files=files)
+    content = manifest.with_files(files).to_dict() if isinstance(manifest, Manifest) else dict(manifest, files=files)
     path = os.path.join(tmp, MANIFEST)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
+        json.dump(content, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(tmp)
@@ -185,20 +193,24 @@ def rotate(root: str, keep: int) -> list[str]:
 
 
 # -- reading ----------------------------------------------------------------------------------------------------
-def verify(path: str) -> tuple[dict | None, str | None]:
+def verify(path: str) -> tuple[Manifest | None, str | None]:
     """``(manifest, None)`` if every file of checkpoint ``path`` is present with its recorded size and sha256,
-    else ``(None, problem)``, the problem naming the file at fault."""
+    else ``(None, problem)``, the problem naming the file at fault. A manifest of an older version is migrated."""
     mpath = os.path.join(path, MANIFEST)
     try:
         with open(mpath, encoding="utf-8") as f:
-            manifest = json.load(f)
+            raw = json.load(f)
     except FileNotFoundError:
         return None, f"{mpath}: missing (an incomplete checkpoint)"
     except (OSError, ValueError) as exc:
         return None, f"{mpath}: unreadable ({exc})"
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "files" not in manifest:
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT or "files" not in raw:
         return None, f"{mpath}: not a format-{FORMAT} accum-sched manifest"
-    for rel, meta in sorted(manifest["files"].items()):
+    try:
+        manifest = migrate(raw)
+    except ManifestError as exc:
+        return None, f"{mpath}: {exc}"
+    for rel, meta in sorted(manifest.files.items()):
         fpath = os.path.join(path, rel)
         if not os.path.isfile(fpath):
             return None, f"{fpath}: missing"
@@ -210,7 +222,7 @@ def verify(path: str) -> tuple[dict | None, str | None]:
     return manifest, None
 
 
-def find(root: str, resume: str, report=None) -> tuple[str, dict] | None:
+def find(root: str, resume: str, report=None) -> tuple[str, Manifest] | None:
     """The checkpoint to resume from: ``resume`` is ``"auto"`` (the newest valid one under ``root``, falling back
     past damaged ones, each reported by ``report(problem)``), a checkpoint directory, or a folder of them.
 
@@ -358,66 +370,6 @@ def _section(flat: dict, section: str):
     return {k[len(section) + 1:]: v for k, v in flat.items() if k.startswith(section + ".")}
 
 
-def check_config(path: str, manifest: dict, cfg) -> list[tuple[str, object, object]]:
-    """Raise ConfigError naming the first differing field unless checkpoint.force_resume; returns the differences."""
-    diffs = config_differences(manifest, cfg)
-    if diffs and not cfg.checkpoint.force_resume:
-        field, old, new = diffs[0]
-        more = f" (and {len(diffs) - 1} more field(s))" if len(diffs) > 1 else ""
-        raise ConfigError(field, f"is {new!r} but checkpoint {path} was made with {old!r}{more}",
-                          "resume with the config the run was started with, or set checkpoint.force_resume: true "
-                          "(--set checkpoint.force_resume=true) to load it anyway")
-    return diffs
-
-
-# -- world size -------------------------------------------------------------------------------------------------
-def factor_scale(manifest: dict, cfg, world: int) -> tuple[int, int]:
-    """``(num, den)``: the factors this run uses are the config's (``cfg.schedule_for(world)``) x num / den.
-
-    A run starts at 1/1. On a resume with the world size of the checkpoint the run keeps the checkpoint's scale. On
-    another world size checkpoint.on_world_change decides: ``error`` (default) refuses; ``keep_factor`` keeps the
-    factors the checkpoint ran with (the global batch changes with the world); ``keep_global_batch`` keeps
-    micro x factor x world, which needs every factor of the schedule to come out whole. (A config with
-    accumulation.global_batch derives its factor from the world already; the scale only corrects for that.)
-    """
-    num, den = (int(x) for x in manifest.get("factor_scale", (1, 1)))
-    old = int(manifest["world_size"])
-    if world == old:
-        return num, den
-    policy = cfg.checkpoint.on_world_change
-    what = f"checkpoint {manifest.get('name', '')} was made by {old} workers, this run has {world}".replace("  ", " ")
-    if manifest.get("partial_window"):
-        raise ConfigError("checkpoint.on_world_change", f"{what}, and it was taken inside an accumulation window "
-                          f"(a preemption): its partial gradients are per worker",
-                          f"resume it with {old} workers, or resume from the checkpoint before it")
-    if policy == "error":
-        raise ConfigError("checkpoint.on_world_change", f"is 'error' and {what}",
-                          f"resume with {old} workers, or set checkpoint.on_world_change: keep_global_batch "
-                          f"(the factor is rescaled so micro x factor x world stays) or keep_factor")
-    if cfg.distributed.backend == "deepspeed":
-        raise ConfigError("checkpoint.on_world_change", f"{what}, and DeepSpeed checkpoints hold per-rank shards",
-                          f"resume a DeepSpeed run with {old} workers")
-    per_world = cfg.accumulation.global_batch is not None  # the config's factor already scales as 1 / world
-    if policy == "keep_global_batch" and not per_world:
-        num, den = num * old, den * world
-    elif policy == "keep_factor" and per_world:
-        num, den = num * world, den * old
-    g = math.gcd(num, den)
-    num, den = num // g, den // g
-    for key, factor in cfg.schedule_for(world).milestones:
-        if factor * num % den:
-            raise ConfigError("checkpoint.on_world_change",
-                              f"{policy} cannot keep its promise on {world} workers ({what}): schedule entry "
-                              f"{key}: {factor} would need factor {factor * num / den:g}",
-                              "resume on a world size whose factors come out whole, or choose the other policy")
-    return num, den
-
-
-def scaled_milestones(milestones, scale: tuple[int, int]) -> dict[int, int]:
-    num, den = scale
-    return {key: factor * num // den for key, factor in milestones}
-
-
 # -- metrics ----------------------------------------------------------------------------------------------------
 def truncate_metrics(run_dir: str, step: int) -> int:
     """Keep the metrics.jsonl lines of optimizer steps <= ``step`` (a resumed run rewrites the rest, so none is
@@ -446,13 +398,10 @@ def truncate_metrics(run_dir: str, step: int) -> int:
 # -- before launch ----------------------------------------------------------------------------------------------
 def preflight(cfg, resume: str | None) -> None:
     """`accum-sched run --resume`: the checkpoint exists and is intact, was made under this config (or
-    force_resume), and the world size is acceptable. ConfigError (exit 2) otherwise; no torch, no worker."""
+    force_resume), and the world size is acceptable. ConfigError (exit 2) otherwise; no torch, no worker. The
+    checks are the workers' own (launcher/checkpoint/resume.py)."""
     if not resume:
         return
-    found = find(checkpoint_root(cfg), resume)
-    if found is None:
-        return
-    path, manifest = found
-    manifest = dict(manifest, name=path)
-    check_config(path, manifest, cfg)
-    factor_scale(manifest, cfg, cfg.world_size)
+    from launcher.checkpoint.resume import plan_resume
+
+    plan_resume(cfg, cfg.world_size, resume)

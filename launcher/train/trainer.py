@@ -21,6 +21,7 @@ from accum_sched.resume import ResumeSampler
 from launcher.train import coordination
 from launcher import tasks
 from launcher.checkpoint.checkpointer import Checkpointer
+from launcher.checkpoint.parts import SamplerEpoch
 from launcher.config import Config
 from launcher.errors import ConfigError
 from launcher.train.metrics import MetricsWriter, Progress, atomic_write_json
@@ -228,7 +229,8 @@ class Trainer:
 
     def fit(self) -> None:
         cfg = self.cfg
-        step = self.checkpointer.restore(self)  # before the metrics writer: it cuts metrics.jsonl back to the checkpoint
+        # before the metrics writer: it cuts metrics.jsonl back to the checkpoint
+        step = self.checkpointer.restore(self.checkpoint_parts(), self.loader)
         if self.validation is not None:
             self.validation.truncate(step)  # eval.jsonl likewise
             self.early_stopped = self.validation.stop  # a resumed run that had stopped early stays stopped
@@ -262,6 +264,12 @@ class Trainer:
             self.stop_for_preemption()
             return
         self.finish()
+
+    def checkpoint_parts(self) -> dict:
+        """What a checkpoint saves and restores of this trainer, by name (launcher/checkpoint/parts.py)."""
+        return {"engine": self.engine, "model": self.model, "optimizer": self.optimizer,
+                "scaler": getattr(self.engine.backend, "scaler", None), "lr_scheduler": self.lr_scheduler,
+                "validation": self.validation, "sampler": SamplerEpoch(self.sampler), "deepspeed": self.ds_engine}
 
     def stop_for_preemption(self) -> None:
         """The ranks agreed to stop after this micro-batch (a preemption signal, launcher/train/preempt.py): commit its
