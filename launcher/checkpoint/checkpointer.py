@@ -3,9 +3,9 @@
 What a checkpoint holds (``trainer.pt``, written by rank 0, loadable with ``torch.load(weights_only=True)``: only
 tensors and plain Python values): model, optimizer, LR scheduler, GradScaler, ``engine.state_dict()`` (epoch,
 micro-batch within it, counters), the sampler epoch, the last StepInfo, and every rank's RNG states (torch, numpy,
-python, CUDA), gathered to rank 0 so one file holds them all. A DeepSpeed engine writes its own per-rank files
-into the same directory (``ds_engine.save_checkpoint``), and an FSDP2 run its DCP shards under ``fsdp/``
-(launcher/backends/fsdp.py); ``trainer.pt`` then holds no model or optimizer.
+python, CUDA), gathered to rank 0 so one file holds them all. A back end with a sharded checkpoint writes its own
+files into the same directory (``trainer.backend.save_shards``: DeepSpeed's per-rank files under ``deepspeed/``,
+FSDP2's DCP shards under ``fsdp/``; launcher/backends/); ``trainer.pt`` then holds no model or optimizer.
 
 When: at every epoch end, every ``checkpoint.every_n_steps`` optimizer steps (from the engine's on_step
 callback), and where ``engine.should_stop`` turns True (preemption). The last may be inside a window (the engine's
@@ -37,13 +37,6 @@ from accum_sched.resume import ResumeSampler
 from launcher.checkpoint import store
 from launcher.train import coordination
 from launcher.errors import ConfigError
-
-DS_TAG = "deepspeed"
-
-
-def _fsdp(trainer) -> bool:
-    return trainer.cfg.distributed.backend == "fsdp"
-
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used (damaged, another config, another world size): raised on every rank."""
@@ -365,19 +358,8 @@ class Checkpointer:
             raise CheckpointError(f"{path}: cannot be loaded ({type(exc).__name__}: {exc})") from exc
 
     def _load_model(self, trainer, state: dict, path: str) -> None:
-        if trainer.ds_engine is not None:
-            # DeepSpeed hook: the engine restores module, (ZeRO-sharded) optimizer and LR scheduler from its files.
-            loaded, _ = trainer.ds_engine.load_checkpoint(path, tag=DS_TAG, load_optimizer_states=True,
-                                                          load_lr_scheduler_states=True)
-            if loaded is None:
-                raise CheckpointError(f"{os.path.join(path, DS_TAG)}: DeepSpeed could not load it")
-        elif _fsdp(trainer):  # DCP reads the shards, resharded for this world size
-            from launcher.backends import fsdp as fsdp_setup
-
-            try:
-                fsdp_setup.load(trainer.model, trainer.optimizer, os.path.join(path, fsdp_setup.DIRNAME))
-            except Exception as exc:  # noqa: BLE001 -- name the checkpoint on every rank
-                raise CheckpointError(f"{path}: FSDP2 shards cannot be loaded ({type(exc).__name__}: {exc})") from exc
+        if trainer.backend.sharded_checkpoint:  # DeepSpeed / FSDP2 read their own files (collective)
+            trainer.backend.load_shards(trainer.setup, path)
         else:
             trainer.model.load_state_dict(state["model"])
             trainer.optimizer.load_state_dict(state["optimizer"])
@@ -452,16 +434,12 @@ class Checkpointer:
 
         def write():
             hashed = {}  # what we write is hashed while it is written: no second read at commit
-            if trainer.ds_engine is not None:  # collective: every rank writes its shards under tmp/deepspeed
-                trainer.ds_engine.save_checkpoint(tmp, tag=DS_TAG, save_latest=False)
+            if trainer.backend.sharded_checkpoint:  # collective: every rank writes its shards (DeepSpeed, FSDP2)
+                trainer.backend.save_shards(trainer.setup, tmp)
             if window is not None:
                 rel = f"window-rank{self.rank}.pt"
                 hashed[rel] = self._write_file(os.path.join(tmp, rel), {"format": store.FORMAT, "rank": self.rank,
                                                                          "window": window})
-            if _fsdp(trainer):  # collective: every rank writes its shards under tmp/fsdp (DCP)
-                from launcher.backends import fsdp as fsdp_setup
-
-                fsdp_setup.save(trainer.model, trainer.optimizer, os.path.join(tmp, fsdp_setup.DIRNAME))
             if self.rank == 0:
                 hashed[store.STATE] = self._write_state(os.path.join(tmp, store.STATE), engine_state, rngs)
             return hashed
@@ -479,7 +457,7 @@ class Checkpointer:
                 "batches_per_epoch": self._epoch_batches if self._epoch_batches is not None else len(trainer.loader),
                 "world_size": self.world, "factor_scale": list(self.scale),
                 "micro_batch_size": self.cfg.data.micro_batch_size, "config_hash": self.hash,
-                "config": store.training_config(self.cfg), "reason": reason, "deepspeed": trainer.ds_engine is not None,
+                "config": store.training_config(self.cfg), "reason": reason, **trainer.backend.manifest_entries(),
                 "skipped_steps": engine.skipped_steps, "created": time.time(),
                 "partial_window": window is not None,
             }
@@ -527,7 +505,7 @@ class Checkpointer:
             state["eval"] = validation.state_dict()
         if self._order is not None and self._order[0] == engine.epoch_index:
             state["epoch_order"] = {"epoch": self._order[0], "indices": torch.tensor(self._order[1])}
-        if trainer.ds_engine is None and not _fsdp(trainer):  # DeepSpeed / FSDP2 keep sharded files of their own
+        if not trainer.backend.sharded_checkpoint:  # DeepSpeed / FSDP2 keep sharded files of their own
             scaler = getattr(engine.backend, "scaler", None)
             state.update(model=trainer.model.state_dict(), optimizer=trainer.optimizer.state_dict(),
                          scaler=None if scaler is None else scaler.state_dict())

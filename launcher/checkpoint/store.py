@@ -23,6 +23,7 @@ import re
 import shutil
 import time
 
+from launcher import backends
 from launcher.errors import ConfigError
 
 FORMAT = 1
@@ -267,9 +268,7 @@ def training_config(cfg) -> dict:
         "lr_scheduler": d["lr_scheduler"],
         "distributed": {k: d["distributed"][k] for k in ("backend", "deepspeed_config")},
     }
-    if d["distributed"]["backend"] == "fsdp":  # mixed precision changes the numbers; sync mode, wrapping, offload
-        fsdp = d["distributed"]["fsdp"]  # do not (an OOM may be answered by resuming with every_micro_batch)
-        sub["distributed"]["fsdp"] = {k: fsdp[k] for k in ("param_dtype", "reduce_dtype")}
+    sub["distributed"].update(backends.get(d["distributed"]["backend"]).training_fields(d["distributed"]))
     return json.loads(json.dumps(sub, sort_keys=True, default=str))
 
 
@@ -350,9 +349,7 @@ def factor_scale(manifest: dict, cfg, world: int) -> tuple[int, int]:
         raise ConfigError("checkpoint.on_world_change", f"is 'error' and {what}",
                           f"resume with {old} workers, or set checkpoint.on_world_change: keep_global_batch "
                           f"(the factor is rescaled so micro x factor x world stays) or keep_factor")
-    if cfg.distributed.backend == "deepspeed":
-        raise ConfigError("checkpoint.on_world_change", f"{what}, and DeepSpeed checkpoints hold per-rank shards",
-                          f"resume a DeepSpeed run with {old} workers")
+    backends.get(cfg.distributed.backend).check_world_change(what, old)  # DeepSpeed: per-rank shards, refused
     per_world = cfg.accumulation.global_batch is not None  # the config's factor already scales as 1 / world
     if policy == "keep_global_batch" and not per_world:
         num, den = num * old, den * world

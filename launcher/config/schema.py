@@ -14,6 +14,7 @@ from typing import Any, Callable
 import yaml
 
 from accum_sched.schedule import UNITS, AccumulationSchedule
+from launcher import backends
 from launcher.config import noise as noise_config
 from launcher.errors import ConfigError
 
@@ -134,7 +135,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "early_stop": Field("any", None, nullable=True),
     },
     "distributed": {
-        "backend": Field("str", "ddp", choices=("ddp", "deepspeed", "fsdp")),
+        "backend": Field("str", "ddp", choices=backends.NAMES),
         "nproc_per_node": Field("int", 1, check=_at_least(1)),
         "nnodes": Field("int", 1, check=_at_least(1)),
         "process_group": Field("str", "auto", choices=("auto", "gloo", "nccl")),
@@ -344,12 +345,9 @@ def validate(raw: dict) -> Config:
         sections[name] = values
     cfg = Config(sections)
     _cross_check(cfg)
-    if cfg.distributed.backend == "deepspeed":
-        from launcher.backends import deepspeed as deepspeed_setup  # its JSON may hold the schedule (torch-free; it never imports us)
-
-        raw = deepspeed_setup.resolved_raw(cfg)
-        if raw is not None:
-            cfg = validate(raw)
+    raw = backends.get(cfg.distributed.backend).resolve_raw(cfg)  # DeepSpeed's JSON may hold the schedule
+    if raw is not None:
+        cfg = validate(raw)
     return cfg
 
 
@@ -365,19 +363,7 @@ def _cross_check(cfg: Config) -> None:
     if ":" not in target or not all(target.split(":", 1)):
         raise ConfigError("task.target", f"{target!r} is not 'module:function'",
                           "write e.g. 'mypackage.tasks:make_task' or 'builtin:regression'")
-    fsdp_defaults = SCHEMA["distributed"]["fsdp"].default
-    if cfg.distributed.backend != "fsdp" and cfg.distributed.fsdp != fsdp_defaults:
-        raise ConfigError("distributed.fsdp", f"is set but distributed.backend is {cfg.distributed.backend}",
-                          "set distributed.backend: fsdp, or remove distributed.fsdp")
-    if cfg.distributed.backend == "fsdp" and (cfg.accumulation.noise_scale or cfg.accumulation.adaptive is not None):
-        field = "accumulation.noise_scale" if cfg.accumulation.noise_scale else "accumulation.adaptive"
-        raise ConfigError(field, "is not measured with backend: fsdp yet", "use backend ddp, or remove it")
-    if cfg.distributed.backend == "fsdp" and cfg.run.precision == "fp16":
-        raise ConfigError("run.precision", "fp16 is not supported with backend: fsdp (GradScaler would find "
-                          "overflows per shard, so ranks could disagree)", "use bf16, or distributed.fsdp.param_dtype")
-    if cfg.distributed.backend == "deepspeed" and cfg.distributed.deepspeed_config is None:
-        raise ConfigError("distributed.deepspeed_config", "is required with backend: deepspeed",
-                          "give the path of a DeepSpeed JSON file or an inline mapping")
+    backends.validate(cfg)  # the rules of distributed.backend (launcher/backends/)
     betas = cfg.optimizer.betas
     if betas is not None and (len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
         raise ConfigError("optimizer.betas", f"{betas!r} is not two numbers in [0, 1)", "write e.g. [0.9, 0.999]")
