@@ -49,7 +49,7 @@ def test_config_side_imports_no_torch():
         print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "deepspeed"))))
     """
     env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, check=False,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1]) == []
@@ -112,7 +112,7 @@ def test_after_step_order_metrics_then_eval_then_checkpoint(tmp_path):
     config.write_text(ORDER.format(out=run))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "launcher", "run", str(config)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "early stop" in proc.stdout
     # 2 ranks x 32 samples = 4 micro-batches per rank per epoch, factor 2: steps 1, 2 ...; the second evaluation
