@@ -37,6 +37,22 @@ def main(argv=None) -> int:
     # First thing: SLURM's preemption warning may come while the task and model are still being built.
     preemption = Preemption.install(also=(signal.SIGTERM,))
     cfg = load_config(args.config)
+    device = join(cfg)
+    try:
+        trainer = Trainer(cfg, device, args.resume)
+        preemption.attach(trainer.engine.request_stop)
+        trainer.fit()
+    except ConfigError as err:  # bad input found once the task and its classes are imported: one line, exit 2
+        print(f"error: {err.line()}", file=sys.stderr, flush=True)
+        return 2
+    del trainer  # first: tear_down collects it
+    tear_down()
+    return 0
+
+
+def join(cfg):
+    """This process's place in the run: torch's variables from SLURM's, quiet non-zero ranks, the process group
+    and this rank's device."""
     launch = detect_launch()
     if launch.source != "single":
         # srun's tasks (the per_task template) carry only SLURM_* variables; DeepSpeed and torch read these.
@@ -46,24 +62,20 @@ def main(argv=None) -> int:
     if launch.rank != 0:  # other ranks stay quiet unless something fails
         warnings.filterwarnings("ignore")
         logging.getLogger("accum_sched").setLevel(logging.ERROR)
-    device = init_distributed(cfg, launch)
-    try:
-        trainer = Trainer(cfg, device, args.resume)
-        preemption.attach(trainer.engine.request_stop)
-        trainer.fit()
-    except ConfigError as err:  # bad input found once the task and its classes are imported: one line, exit 2
-        print(f"error: {err.line()}", file=sys.stderr, flush=True)
-        return 2
-    # Tear down in order while the interpreter is fully alive: DDP (and DeepSpeed) hold the process group and our
-    # comm hook, and the trainer sits in a reference cycle with its engine's callbacks, so without an explicit
-    # collection they would die during interpreter finalization, where a gloo group's threads can abort the
-    # process ("terminate called without an active exception", seen rarely under load). On a failure we raise
-    # instead: destroying a group other ranks still use can hang, and torchrun stops them anyway.
-    del trainer
+    return init_distributed(cfg, launch)
+
+
+def tear_down() -> None:
+    """Tear down in order while the interpreter is fully alive (after a success, the trainer's last reference gone).
+
+    DDP (and DeepSpeed) hold the process group and our comm hook, and the trainer sits in a reference cycle with its
+    engine's callback, so without an explicit collection they would die during interpreter finalization, where a
+    gloo group's threads can abort the process ("terminate called without an active exception", seen rarely under
+    load). On a failure we raise instead: destroying a group other ranks still use can hang, and torchrun stops
+    them anyway."""
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,35 @@
+"""The launcher's back ends, by their ``distributed.backend`` name (the seam is launcher/backends/base.py).
+
+Torch-free: config validation and `accum-sched check` import this on login nodes. Adding a back end is one
+module with a :class:`~launcher.backends.base.LauncherBackend` subclass and one line in ``_BACKENDS``; the config's
+``distributed.backend`` choices come from here.
+"""
+from __future__ import annotations
+
+from launcher.backends.base import LauncherBackend, Setup
+from launcher.backends.ddp import DDPBackend
+from launcher.backends.deepspeed import DeepSpeedBackend
+from launcher.backends.fsdp import FSDPBackend
+
+_BACKENDS: dict[str, LauncherBackend] = {b.name: b for b in (DDPBackend(), DeepSpeedBackend(), FSDPBackend())}
+NAMES: tuple[str, ...] = tuple(_BACKENDS)  # distributed.backend's choices; the first is the default
+
+
+def get(name: str) -> LauncherBackend:
+    """The back end called ``name`` (a validated config's ``distributed.backend``)."""
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise KeyError(f"no launcher back end {name!r} (known: {', '.join(NAMES)})") from None
+
+
+def validate(cfg) -> None:
+    """The back-end rules of a config: the chosen back end's own, and every other one's while it is unused."""
+    chosen = get(cfg.distributed.backend)
+    for backend in _BACKENDS.values():
+        if backend is not chosen:
+            backend.validate_unused(cfg)
+    chosen.validate(cfg)
+
+
+__all__ = ["NAMES", "LauncherBackend", "Setup", "get", "validate"]

@@ -23,11 +23,13 @@ import os
 from dataclasses import dataclass
 
 from accum_sched.schedule import AccumulationSchedule
+from launcher.backends.base import LauncherBackend, OptimizerFactory, Setup
 from launcher.errors import ConfigError
 
 FIELD = "distributed.deepspeed_config"
 OUR_KEY = "accum_sched"  # {"schedule": ..., "unit": ...} inside the DeepSpeed JSON; DeepSpeed never sees it
 OUR_FIELDS = ("schedule", "unit")
+TAG = "deepspeed"  # DeepSpeed's own checkpoint files: <checkpoint>/deepspeed/
 
 
 # -- reading: once per process -----------------------------------------------------------------------------------
@@ -383,3 +385,73 @@ def consolidated_state_dict(ds_engine) -> dict | None:
     from accum_sched.deepspeed_backend import consolidated_state_dict as gather
 
     return gather(ds_engine, rank0_only=True)
+
+
+# -- the launcher's back end ------------------------------------------------------------------------------------
+class DeepSpeedBackend(LauncherBackend):
+    """DeepSpeed ZeRO 0-3: the engine built by deepspeed.initialize steps the optimizer and LR scheduler; its
+    checkpoints are DeepSpeed's per-rank files under ``deepspeed/``."""
+
+    name = "deepspeed"
+    sharded_checkpoint = True
+
+    def validate(self, cfg) -> None:
+        if cfg.distributed.deepspeed_config is None:
+            raise ConfigError(FIELD, "is required with backend: deepspeed",
+                              "give the path of a DeepSpeed JSON file or an inline mapping")
+        acc = cfg.accumulation
+        if acc.noise_scale or acc.adaptive is not None:
+            field = "accumulation.adaptive" if acc.adaptive is not None and not acc.noise_scale \
+                else "accumulation.noise_scale"
+            _check_measuring(cfg, field, acc.adaptive is not None)
+
+    def resolve_raw(self, cfg) -> dict | None:
+        return resolved_raw(cfg)
+
+    def preflight(self, cfg) -> None:
+        validate(cfg, cfg.world_size)  # the module's JSON checks, with the launch's world size
+
+    def check_world_change(self, what: str, old_world: int) -> None:
+        raise ConfigError("checkpoint.on_world_change", f"{what}, and DeepSpeed checkpoints hold per-rank shards",
+                          f"resume a DeepSpeed run with {old_world} workers")
+
+    def setup(self, cfg, model, make_optimizer: OptimizerFactory, device, world: int) -> Setup:
+        optimizer, lr_scheduler = make_optimizer(model)  # replaced by the JSON's own sections, if it has them
+        ds_engine, optimizer, lr_scheduler = initialize(cfg, model, optimizer, lr_scheduler, world)
+        return Setup(module=ds_engine, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                     engine_args={"optimizer": None, "lr_scheduler": None})  # DeepSpeed steps both
+
+    def final_state_dict(self, setup: Setup, rank: int) -> dict | None:
+        return consolidated_state_dict(setup.module)
+
+    def save_shards(self, setup: Setup, directory: str) -> None:
+        setup.module.save_checkpoint(directory, tag=TAG, save_latest=False)
+
+    def load_shards(self, setup: Setup, directory: str) -> None:
+        from launcher.checkpoint.checkpointer import CheckpointError
+
+        # the engine restores module, (ZeRO-sharded) optimizer and LR scheduler from its files, under its own rules
+        loaded, _ = setup.module.load_checkpoint(directory, tag=TAG, load_optimizer_states=True,
+                                                 load_lr_scheduler_states=True)
+        if loaded is None:
+            raise CheckpointError(f"{os.path.join(directory, TAG)}: DeepSpeed could not load it")
+
+    def manifest_entries(self) -> dict:
+        return {"deepspeed": True}
+
+
+def _check_measuring(cfg, field: str, adaptive: bool) -> None:
+    """The noise scale is measured at ZeRO stage 0 in fp32 only (elsewhere the local gradient is reduced or
+    partitioned inside DeepSpeed); the adaptive factor is not offered (the JSON's own batch keys would fight it)."""
+    if adaptive:
+        raise ConfigError("accumulation.adaptive", "is not supported with distributed.backend: deepspeed yet",
+                          "use backend: ddp, or noise_scale: true with a schedule")
+    ds = load_json(cfg)
+    zero = ds.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+    precise = [k for k in ("bf16", "bfloat16", "fp16") if isinstance(ds.get(k), dict) and ds[k].get("enabled")]
+    if stage != 0 or precise:
+        raise ConfigError(field, f"is measured with DeepSpeed at ZeRO stage 0 in fp32 only (this JSON: stage {stage}"
+                          f"{', ' + ', '.join(precise) if precise else ''}): elsewhere the local gradient is reduced "
+                          f"or partitioned inside DeepSpeed", "use zero_optimization.stage 0 without bf16/fp16, or "
+                          "backend: ddp")

@@ -1,6 +1,6 @@
 """FSDP2 under `accum-sched run` (``distributed.backend: fsdp``): wrapping, sharded checkpoints, the final model.
 
-``distributed.fsdp`` (checked in launcher/config/schema.py):
+``distributed.fsdp`` (its keys checked in launcher/config/schema.py, its rules in :class:`FSDPBackend`):
 
 * ``wrap``: module class names whose instances are sharded one by one (children before parents), then the root;
   ``auto`` takes the model's ``_no_split_modules`` (Hugging Face models list their transformer blocks there) and
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 
+from launcher.backends.base import LauncherBackend, OptimizerFactory, Setup
 from launcher.errors import ConfigError
 
 DIRNAME = "fsdp"  # the DCP files inside a checkpoint directory
@@ -114,3 +115,56 @@ def consolidated_state_dict(model) -> dict | None:
     if dist.get_rank() != 0:
         return None
     return {k: v.detach().cpu().clone() for k, v in full.items()}  # sharded parameters keep their fp32
+
+
+# -- the launcher's back end ------------------------------------------------------------------------------------
+class FSDPBackend(LauncherBackend):
+    """FSDP2: the model sharded before its optimizer is built; checkpoints as DCP shards under ``fsdp/``."""
+
+    name = "fsdp"
+    sharded_checkpoint = True
+
+    def validate(self, cfg) -> None:
+        acc = cfg.accumulation
+        if acc.noise_scale or acc.adaptive is not None:
+            field = "accumulation.noise_scale" if acc.noise_scale else "accumulation.adaptive"
+            raise ConfigError(field, "is not measured with backend: fsdp yet", "use backend ddp, or remove it")
+        if cfg.run.precision == "fp16":
+            raise ConfigError("run.precision", "fp16 is not supported with backend: fsdp (GradScaler would find "
+                              "overflows per shard, so ranks could disagree)",
+                              "use bf16, or distributed.fsdp.param_dtype")
+
+    def validate_unused(self, cfg) -> None:
+        # launcher.config is loaded already (its validation calls this); this module must not import it on import
+        from launcher.config.schema import SCHEMA
+
+        if cfg.distributed.fsdp != SCHEMA["distributed"]["fsdp"].default:
+            raise ConfigError("distributed.fsdp", f"is set but distributed.backend is {cfg.distributed.backend}",
+                              "set distributed.backend: fsdp, or remove distributed.fsdp")
+
+    def training_fields(self, distributed: dict) -> dict:
+        # mixed precision changes the numbers; sync mode, wrapping, offload do not (an OOM may be answered by
+        # resuming with every_micro_batch)
+        options = distributed["fsdp"]
+        return {"fsdp": {k: options[k] for k in ("param_dtype", "reduce_dtype")}}
+
+    def setup(self, cfg, model, make_optimizer: OptimizerFactory, device, world: int) -> Setup:
+        root = shard(cfg, model, device)  # before the optimizer: fully_shard swaps the parameters for sharded ones
+        optimizer, lr_scheduler = make_optimizer(root)
+        return Setup(module=root, model=root, optimizer=optimizer, lr_scheduler=lr_scheduler,  # the engine picks
+                     engine_args={"optimizer": optimizer, "lr_scheduler": lr_scheduler,  # its FSDP2 back end
+                                  "gradient_sync": cfg.distributed.fsdp["gradient_sync"]})
+
+    def final_state_dict(self, setup: Setup, rank: int) -> dict | None:
+        return consolidated_state_dict(setup.model)
+
+    def save_shards(self, setup: Setup, directory: str) -> None:
+        save(setup.model, setup.optimizer, os.path.join(directory, DIRNAME))
+
+    def load_shards(self, setup: Setup, directory: str) -> None:
+        from launcher.checkpoint.checkpointer import CheckpointError
+
+        try:  # DCP reads the shards, resharded for this world size
+            load(setup.model, setup.optimizer, os.path.join(directory, DIRNAME))
+        except Exception as exc:  # name the checkpoint on every rank
+            raise CheckpointError(f"{directory}: FSDP2 shards cannot be loaded ({type(exc).__name__}: {exc})") from exc

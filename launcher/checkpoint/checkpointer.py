@@ -40,45 +40,23 @@ from launcher.train import coordination
 __all__ = ["CheckpointError", "Checkpointer", "deal", "global_order", "own_optimizer_state", "rng_state",
            "seed_rank", "set_rng_state"]
 
-DS_TAG = "deepspeed"
+
+# -- the launcher back end's part (launcher/backends/): DeepSpeed and FSDP2 write sharded files of their own --------
+def _owns_model_state(parts: dict) -> bool:
+    """trainer.pt holds model and optimizer, unless the back end keeps a sharded checkpoint of its own."""
+    return not parts["backend"].sharded_checkpoint
 
 
-# -- back-end spots: what DeepSpeed and FSDP2 do differently (the launcher back end's owns_model_state,
-# save_shards and load_shards take these over) --------------------------------------------------------------------
-def _fsdp(cfg) -> bool:
-    return cfg.distributed.backend == "fsdp"
-
-
-def _owns_model_state(cfg, parts: dict) -> bool:
-    """trainer.pt holds model and optimizer: DeepSpeed and FSDP2 keep sharded files of their own."""
-    return parts["deepspeed"] is None and not _fsdp(cfg)
-
-
-def _save_shards(cfg, parts: dict, tmp: str) -> None:
+def _save_shards(parts: dict, tmp: str) -> None:
     """Collective: every rank writes its shards under ``tmp`` (DeepSpeed's in deepspeed/, FSDP2's DCP in fsdp/)."""
-    if parts["deepspeed"] is not None:
-        parts["deepspeed"].save_checkpoint(tmp, tag=DS_TAG, save_latest=False)
-    if _fsdp(cfg):
-        from launcher.backends import fsdp as fsdp_setup
-
-        fsdp_setup.save(parts["model"], parts["optimizer"], os.path.join(tmp, fsdp_setup.DIRNAME))
+    if parts["backend"].sharded_checkpoint:
+        parts["backend"].save_shards(parts["setup"], tmp)
 
 
-def _load_shards(cfg, parts: dict, path: str) -> None:
+def _load_shards(parts: dict, path: str) -> None:
     """Collective: every rank loads its shards of checkpoint ``path`` (no-op when trainer.pt holds the model)."""
-    if parts["deepspeed"] is not None:
-        # DeepSpeed restores module, (ZeRO-sharded) optimizer and LR scheduler from its files, under its own rules
-        loaded, _ = parts["deepspeed"].load_checkpoint(path, tag=DS_TAG, load_optimizer_states=True,
-                                                       load_lr_scheduler_states=True)
-        if loaded is None:
-            raise CheckpointError(f"{os.path.join(path, DS_TAG)}: DeepSpeed could not load it")
-    elif _fsdp(cfg):  # DCP reads the shards, resharded for this world size
-        from launcher.backends import fsdp as fsdp_setup
-
-        try:
-            fsdp_setup.load(parts["model"], parts["optimizer"], os.path.join(path, fsdp_setup.DIRNAME))
-        except Exception as exc:  # name the checkpoint on every rank
-            raise CheckpointError(f"{path}: FSDP2 shards cannot be loaded ({type(exc).__name__}: {exc})") from exc
+    if parts["backend"].sharded_checkpoint:
+        parts["backend"].load_shards(parts["setup"], path)
 
 
 class Checkpointer:
@@ -219,8 +197,8 @@ class Checkpointer:
             raise CheckpointError(f"{path}: cannot be loaded ({type(exc).__name__}: {exc})") from exc
 
     def _load_model(self, state: dict, path: str) -> None:
-        _load_shards(self.cfg, self.parts, path)
-        load_model_parts(self.parts, state, _owns_model_state(self.cfg, self.parts))
+        _load_shards(self.parts, path)
+        load_model_parts(self.parts, state, _owns_model_state(self.parts))
 
     def loader(self, epoch: int, loader):
         """What the engine should iterate in ``epoch`` (with skip=False): ``loader`` positioned at the resume point
@@ -270,7 +248,7 @@ class Checkpointer:
 
         def write():
             hashed = {}  # what we write is hashed while it is written: no second read at commit
-            _save_shards(self.cfg, self.parts, tmp)
+            _save_shards(self.parts, tmp)
             if window is not None:
                 rel = f"window-rank{self.rank}.pt"
                 hashed[rel] = self._write_file(os.path.join(tmp, rel), {"format": store.FORMAT, "rank": self.rank,
@@ -298,7 +276,7 @@ class Checkpointer:
             step=step, epoch=engine_state["epoch"], micro_batch=engine_state["micro_batch"], batches_per_epoch=batches,
             world_size=self.world, factor_scale=self.plan.scale, micro_batch_size=self.cfg.data.micro_batch_size,
             config_hash=self.hash, config=store.training_config(self.cfg), reason=reason,
-            deepspeed=self.parts["deepspeed"] is not None, skipped_steps=self.engine.skipped_steps,
+            **self.parts["backend"].manifest_entries(), skipped_steps=self.engine.skipped_steps,
             created=time.time(), partial_window=partial_window)
 
     def _make_tmp(self, tmp: str) -> None:
@@ -323,5 +301,5 @@ class Checkpointer:
         }
         if self._order is not None and self._order[0] == engine.epoch_index:
             state["epoch_order"] = {"epoch": self._order[0], "indices": torch.tensor(self._order[1])}
-        state.update(save_parts(self.parts, _owns_model_state(self.cfg, self.parts)))
+        state.update(save_parts(self.parts, _owns_model_state(self.parts)))
         return self._write_file(path, state)

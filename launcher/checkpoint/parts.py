@@ -15,7 +15,8 @@ scaler          the engine back end's GradScaler, or None       ``scaler`` (\\*)
 lr_scheduler    the LR scheduler, or None                       ``lr_scheduler`` (also with DeepSpeed)
 validation      best value and early-stop count, or None        ``eval``
 sampler         the DistributedSampler's epoch (SamplerEpoch)   ``sampler_epoch``
-deepspeed       the DeepSpeed engine, or None                   its own files under ``deepspeed/``
+backend         the launcher back end (launcher/backends/)      its own sharded files where it has them
+setup           what the back end's setup built (its Setup)     (DeepSpeed: ``deepspeed/``, FSDP2: ``fsdp/``)
 ==============  =============================================  ======================================
 
 (\\*) only when trainer.pt holds the model state: DeepSpeed and FSDP2 write sharded files of their own (the
@@ -27,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-PARTS = ("engine", "model", "optimizer", "scaler", "lr_scheduler", "validation", "sampler", "deepspeed")
+PARTS = ("engine", "model", "optimizer", "scaler", "lr_scheduler", "validation", "sampler", "backend", "setup")
 
 
 class Stateful(Protocol):
@@ -54,8 +55,8 @@ def check_parts(parts: dict) -> dict:
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         raise TypeError(f"unknown checkpoint parts {unknown}; known: {', '.join(PARTS)}")
-    if parts.get("engine") is None or parts.get("sampler") is None:
-        raise TypeError("checkpoint parts need an engine and a sampler")
+    if parts.get("engine") is None or parts.get("sampler") is None or parts.get("backend") is None:
+        raise TypeError("checkpoint parts need an engine, a sampler and a back end")
     return {name: parts.get(name) for name in PARTS}
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from launcher import backends
 from launcher.checkpoint import store
 from launcher.checkpoint.manifest import Manifest, as_manifest
 from launcher.errors import ConfigError
@@ -118,9 +119,7 @@ def factor_scale(manifest: Manifest, cfg, world: int, path: str = "") -> tuple[i
         raise ConfigError("checkpoint.on_world_change", f"is 'error' and {what}",
                           f"resume with {old} workers, or set checkpoint.on_world_change: keep_global_batch "
                           f"(the factor is rescaled so micro x factor x world stays) or keep_factor")
-    if cfg.distributed.backend == "deepspeed":
-        raise ConfigError("checkpoint.on_world_change", f"{what}, and DeepSpeed checkpoints hold per-rank shards",
-                          f"resume a DeepSpeed run with {old} workers")
+    backends.get(cfg.distributed.backend).check_world_change(what, old)  # DeepSpeed: per-rank shards, refused
     per_world = cfg.accumulation.global_batch is not None  # the config's factor already scales as 1 / world
     if policy == "keep_global_batch" and not per_world:
         num, den = num * old, den * world

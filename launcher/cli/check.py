@@ -29,10 +29,9 @@ def preflight(cfg: Config) -> None:
         import_path.check("optimizer.name", cfg.optimizer.name, "Lion")
     if cfg.lr_scheduler is not None and cfg.lr_scheduler.name not in LR_SCHEDULERS:
         import_path.check("lr_scheduler.name", cfg.lr_scheduler.name, "MyScheduler")
-    if cfg.distributed.backend == "deepspeed":
-        from launcher.backends import deepspeed as deepspeed_setup  # no torch/deepspeed import at module level there either
+    from launcher import backends  # torch-free, like everything here
 
-        deepspeed_setup.validate(cfg, cfg.world_size)
+    backends.get(cfg.distributed.backend).preflight(cfg)  # e.g. the DeepSpeed JSON against the launch's world
 
 
 def main(args) -> int:

@@ -38,7 +38,8 @@ def adaptive_settings(raw: dict) -> dict:
 
 
 def check(cfg) -> None:
-    """Refuse combinations the measurement or the adaptive factor cannot honour."""
+    """Refuse combinations the measurement or the adaptive factor cannot honour (a back end's own limits, e.g.
+    DeepSpeed's ZeRO stage 0 in fp32, are its validate(): launcher/backends/)."""
     acc = cfg.accumulation
     adaptive = acc.adaptive
     measuring = acc.noise_scale or adaptive is not None
@@ -66,32 +67,9 @@ def check(cfg) -> None:
     if not measuring:
         return
     field = "accumulation.adaptive" if adaptive is not None and not acc.noise_scale else "accumulation.noise_scale"
-    if cfg.distributed.backend == "deepspeed":
-        _check_deepspeed(cfg, field, adaptive is not None)
     if acc.normalize != "elements":
         raise ConfigError(field, "needs accumulation.normalize: elements (per-element mean gradients)",
                           "set accumulation.normalize: elements")
     if cfg.run.precision == "fp16":
         raise ConfigError(field, "is not measured under fp16 (loss-scaled local gradients)",
                           "use run.precision: bf16 or fp32")
-
-
-def _check_deepspeed(cfg, field: str, adaptive: bool) -> None:
-    """DeepSpeed: measured at ZeRO stage 0 in fp32 only (elsewhere the local gradient is reduced or partitioned
-    inside DeepSpeed); the adaptive factor is not offered there (the JSON's own batch keys would fight it)."""
-    if adaptive:
-        raise ConfigError("accumulation.adaptive", "is not supported with distributed.backend: deepspeed yet",
-                          "use backend: ddp, or noise_scale: true with a schedule")
-    if cfg.distributed.deepspeed_config is None:
-        return  # reported by the config's own check
-    from launcher.backends import deepspeed as deepspeed_setup  # torch-free at import
-
-    ds = deepspeed_setup.load_json(cfg)
-    zero = ds.get("zero_optimization") or {}
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
-    precise = [k for k in ("bf16", "bfloat16", "fp16") if isinstance(ds.get(k), dict) and ds[k].get("enabled")]
-    if stage != 0 or precise:
-        raise ConfigError(field, f"is measured with DeepSpeed at ZeRO stage 0 in fp32 only (this JSON: stage {stage}"
-                          f"{', ' + ', '.join(precise) if precise else ''}): elsewhere the local gradient is reduced "
-                          f"or partitioned inside DeepSpeed", "use zero_optimization.stage 0 without bf16/fp16, or "
-                          "backend: ddp")

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from launcher import backends
 from launcher.config import noise as noise_config
 from launcher.config import sections
 from launcher.config.sections import LR_SCHEDULERS, OPTIMIZERS, Config, Section  # noqa: F401 (re-exported)
@@ -217,12 +218,9 @@ def validate(raw: dict) -> Config:
         built[name] = sections.make(SECTION_CLASSES[name], values)
     cfg = Config(**built)
     _cross_check(cfg)
-    if cfg.distributed.backend == "deepspeed":
-        from launcher.backends import deepspeed as deepspeed_setup  # its JSON may hold the schedule (torch-free; it never imports us)
-
-        raw = deepspeed_setup.resolved_raw(cfg)
-        if raw is not None:
-            cfg = validate(raw)
+    raw = backends.get(cfg.distributed.backend).resolve_raw(cfg)  # DeepSpeed's JSON may hold the schedule
+    if raw is not None:
+        cfg = validate(raw)
     return cfg
 
 
@@ -238,19 +236,7 @@ def _cross_check(cfg: Config) -> None:
     if ":" not in target or not all(target.split(":", 1)):
         raise ConfigError("task.target", f"{target!r} is not 'module:function'",
                           "write e.g. 'mypackage.tasks:make_task' or 'builtin:regression'")
-    fsdp_defaults = SCHEMA["distributed"]["fsdp"].default
-    if cfg.distributed.backend != "fsdp" and cfg.distributed.fsdp != fsdp_defaults:
-        raise ConfigError("distributed.fsdp", f"is set but distributed.backend is {cfg.distributed.backend}",
-                          "set distributed.backend: fsdp, or remove distributed.fsdp")
-    if cfg.distributed.backend == "fsdp" and (cfg.accumulation.noise_scale or cfg.accumulation.adaptive is not None):
-        field = "accumulation.noise_scale" if cfg.accumulation.noise_scale else "accumulation.adaptive"
-        raise ConfigError(field, "is not measured with backend: fsdp yet", "use backend ddp, or remove it")
-    if cfg.distributed.backend == "fsdp" and cfg.run.precision == "fp16":
-        raise ConfigError("run.precision", "fp16 is not supported with backend: fsdp (GradScaler would find "
-                          "overflows per shard, so ranks could disagree)", "use bf16, or distributed.fsdp.param_dtype")
-    if cfg.distributed.backend == "deepspeed" and cfg.distributed.deepspeed_config is None:
-        raise ConfigError("distributed.deepspeed_config", "is required with backend: deepspeed",
-                          "give the path of a DeepSpeed JSON file or an inline mapping")
+    backends.validate(cfg)  # the rules of distributed.backend (launcher/backends/)
     betas = cfg.optimizer.betas
     if betas is not None and (len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
         raise ConfigError("optimizer.betas", f"{betas!r} is not two numbers in [0, 1)", "write e.g. [0.9, 0.999]")

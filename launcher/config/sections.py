@@ -21,6 +21,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 from accum_sched.schedule import UNITS, AccumulationSchedule
+from launcher import backends
 from launcher.errors import ConfigError
 
 
@@ -234,7 +235,7 @@ class FSDPConfig(Section):
 @dataclass(frozen=True, eq=False)
 class DistributedConfig(Section):
     SECTION: ClassVar[str] = "distributed"
-    backend: str = key("ddp", train=True, choices=("ddp", "deepspeed", "fsdp"), doc="`ddp`, `deepspeed` or `fsdp`")
+    backend: str = key("ddp", train=True, choices=backends.NAMES, doc="`ddp`, `deepspeed` or `fsdp`")
     # the world size is not hashed: resuming on another one has its own policy, checkpoint.on_world_change
     nproc_per_node: int = key(1, train=False, check=at_least(1), doc="workers per node")
     nnodes: int = key(1, train=False, check=at_least(1), doc="nodes")

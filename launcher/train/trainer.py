@@ -18,12 +18,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from accum_sched import AccumulationEngine, AccumulationSchedule
 from accum_sched.resume import ResumeSampler
-from launcher.train import coordination
-from launcher import tasks
+from launcher import backends, tasks
 from launcher.checkpoint.checkpointer import Checkpointer
 from launcher.checkpoint.parts import SamplerEpoch
 from launcher.config import Config
 from launcher.errors import ConfigError
+from launcher.train import coordination
 from launcher.train.metrics import MetricsWriter, Progress, atomic_write_json
 from launcher.train.optim import build_lr_scheduler, build_optimizer
 from launcher.train.preempt import requeue
@@ -126,7 +126,7 @@ def plan_total_steps(schedule, loader, sampler, task, cfg: Config, world: int) -
 
 
 class Trainer:
-    """Holds everything one rank trains with; `fit()` is the loop."""
+    """Holds everything one rank trains with; `fit()` is the loop, `_after_step` what follows every step."""
 
     def __init__(self, cfg: Config, device: torch.device, resume: str | None = None):
         self.cfg, self.device, self.resume = cfg, device, resume
@@ -135,13 +135,7 @@ class Trainer:
         self.run_dir = cfg.run.output_dir
         seed_everything(cfg.run.seed)  # identical initial weights on every rank
         self.task = tasks.build(cfg.task.target, cfg.task.args)
-        self.sampler = DistributedSampler(self.task.dataset, num_replicas=self.world, rank=self.rank,
-                                          shuffle=cfg.data.shuffle, seed=cfg.run.seed, drop_last=False)
-        # ResumeSampler: a resume starts the loader at the resume point (only indices are skipped; engine skip=False)
-        self.loader = DataLoader(self.task.dataset, batch_size=cfg.data.micro_batch_size,
-                                 sampler=ResumeSampler(self.sampler),
-                                 drop_last=cfg.data.drop_last, num_workers=cfg.data.num_workers,
-                                 collate_fn=self.task.collate_fn, pin_memory=device.type == "cuda")
+        self.sampler, self.loader = self._make_loader()
         # finds the checkpoint to resume (rank 0 reads, all agree); its world size may rescale the schedule
         self.checkpointer = Checkpointer(cfg, self.rank, self.world, resume, device)
         self.schedule = self.checkpointer.schedule(cfg.schedule_for(self.world))
@@ -149,47 +143,44 @@ class Trainer:
         # adaptive: the factor is decided during the run, so the total is an upper bound (every window at min_factor)
         planned = self.schedule if self.adaptive is None else AccumulationSchedule(self.adaptive["min_factor"])
         self.total_steps = plan_total_steps(planned, self.loader, self.sampler, self.task, cfg, self.world)
-        self.model = self.task.model.to(device)
-        self.fsdp = cfg.distributed.backend == "fsdp"
-        if self.fsdp:  # before the optimizer: fully_shard swaps the parameters for sharded ones
-            from launcher.backends import fsdp as fsdp_setup
-
-            self.model = fsdp_setup.shard(cfg, self.model, device)
-        self.optimizer = build_optimizer(cfg.optimizer, self.model)  # the module: no_decay matches names
-        self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer, self.total_steps)
-        self.ds_engine = None
-        if cfg.distributed.backend == "deepspeed":
-            from launcher.backends import deepspeed as deepspeed_setup
-
-            self.ds_engine, self.optimizer, self.lr_scheduler = deepspeed_setup.initialize(
-                cfg, self.model, self.optimizer, self.lr_scheduler, self.world)
-            wrapped = self.ds_engine
-        elif self.fsdp:
-            wrapped = self.model  # the FSDP2 root; the engine picks the FSDP2 back end for it
-        elif self.world > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            wrapped = DistributedDataParallel(
-                self.model, device_ids=[device.index] if device.type == "cuda" else None,
-                find_unused_parameters=cfg.distributed.find_unused_parameters)
-        else:
-            wrapped = self.model
-        self.wrapped = wrapped
-        acc = cfg.accumulation
-        self.engine = AccumulationEngine(
-            wrapped, None if self.ds_engine is not None else self.optimizer, 1 if self.adaptive else self.schedule,
-            lr_scheduler=None if self.ds_engine is not None else self.lr_scheduler,
-            max_grad_norm=cfg.optimizer.max_grad_norm, normalize=acc.normalize, uneven=acc.uneven,
-            nonfinite=acc.nonfinite, precision=cfg.run.precision, micro_batch_size=cfg.data.micro_batch_size,
-            lr_coupling=acc.lr_coupling, noise_scale=acc.noise_scale, adaptive=self.adaptive,
-            stop_at="micro_batch",  # preemption answered within ~1 micro-batch (DeepSpeed, noise scale: boundary)
-            norm_every=cfg.logging.log_every,
-            gradient_sync=cfg.distributed.fsdp["gradient_sync"] if self.fsdp else "boundary")
+        # the back end wraps the model and builds the optimizer when it needs it (FSDP2: after sharding)
+        self.backend = backends.get(cfg.distributed.backend)
+        self.setup = self.backend.setup(cfg, self.task.model.to(device), self._make_optimizer, device, self.world)
+        self.model, self.optimizer, self.lr_scheduler = self.setup.model, self.setup.optimizer, self.setup.lr_scheduler
+        self.wrapped = self.setup.module
+        self.engine = self._make_engine()
         self.metrics = None
         self.progress = None
         self.start = time.time()
         self.validation = self._make_validation()
         self.early_stopped = False
+
+    # -- building ---------------------------------------------------------------------------------------------
+    def _make_loader(self):
+        """This rank's sampler and loader. ResumeSampler: a resume starts the loader at the resume point (only
+        indices are skipped; the engine is told skip=False)."""
+        cfg, task = self.cfg, self.task
+        sampler = DistributedSampler(task.dataset, num_replicas=self.world, rank=self.rank,
+                                     shuffle=cfg.data.shuffle, seed=cfg.run.seed, drop_last=False)
+        loader = DataLoader(task.dataset, batch_size=cfg.data.micro_batch_size, sampler=ResumeSampler(sampler),
+                            drop_last=cfg.data.drop_last, num_workers=cfg.data.num_workers,
+                            collate_fn=task.collate_fn, pin_memory=self.device.type == "cuda")
+        return sampler, loader
+
+    def _make_optimizer(self, module):
+        """The optimizer and LR scheduler of ``module`` (the module: no_decay matches its parameter names)."""
+        optimizer = build_optimizer(self.cfg.optimizer, module)
+        return optimizer, build_lr_scheduler(self.cfg.lr_scheduler, optimizer, self.total_steps)
+
+    def _make_engine(self) -> AccumulationEngine:
+        cfg, acc = self.cfg, self.cfg.accumulation
+        return AccumulationEngine(
+            self.setup.module, schedule=1 if self.adaptive else self.schedule, **self.setup.engine_args,
+            max_grad_norm=cfg.optimizer.max_grad_norm, normalize=acc.normalize, uneven=acc.uneven,
+            nonfinite=acc.nonfinite, precision=cfg.run.precision, micro_batch_size=cfg.data.micro_batch_size,
+            lr_coupling=acc.lr_coupling, noise_scale=acc.noise_scale, adaptive=self.adaptive,
+            stop_at="micro_batch",  # preemption answered within ~1 micro-batch (DeepSpeed, noise scale: boundary)
+            norm_every=cfg.logging.log_every)
 
     def _make_validation(self):
         if self.task.val_dataset is None:
@@ -203,6 +194,78 @@ class Trainer:
                           lambda batch: to_device(batch, self.device), self.final_state_dict, self.run_dir,
                           self.start)
 
+    # -- training ---------------------------------------------------------------------------------------------
+    def loss_fn(self, model, batch):
+        return self.task.loss_fn(model, to_device(batch, self.device))
+
+    def fit(self) -> None:
+        """Resume (if any), open the outputs, train epoch by epoch, then finish or answer the preemption."""
+        self._resume()
+        self._open_outputs()
+        self.engine.on_step(self._after_step)  # the only callback: the step's order is written there
+        for epoch in range(self.engine.epoch_index, self.cfg.run.epochs if not self.early_stopped else 0):
+            began = time.time()
+            self.sampler.set_epoch(epoch)
+            self.engine.train_epoch(self.checkpointer.loader(epoch, self.loader), self.loss_fn, epoch, skip=False)
+            if self.engine.should_stop:  # preempted or stopped early at a step: that step is saved already
+                break
+            self._after_epoch(epoch, began)
+            if self.early_stopped:
+                break
+        if self.engine.should_stop and not self.early_stopped:
+            self.stop_for_preemption()
+        else:
+            self.finish()
+
+    def _resume(self) -> None:
+        # before the metrics writer: it cuts metrics.jsonl back to the checkpoint
+        step = self.checkpointer.restore(self.checkpoint_parts(), self.loader)
+        if self.validation is not None:
+            self.validation.truncate(step)  # eval.jsonl likewise
+            self.early_stopped = self.validation.stop  # a resumed run that had stopped early stays stopped
+
+    def _open_outputs(self) -> None:
+        """Rank 0: metrics.jsonl, the progress display, and the run's first line."""
+        if self.rank != 0:
+            return
+        cfg = self.cfg
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.metrics = MetricsWriter(self.run_dir, cfg.logging.tensorboard, self.start)
+        self.progress = Progress(cfg.logging.progress, cfg.run.epochs, self.total_steps, cfg.logging.log_every)
+        print(f"accum-sched: world {self.world}, {len(self.loader)} micro-batches of "
+              f"{cfg.data.micro_batch_size} per rank per epoch, {cfg.run.epochs} epochs, "
+              f"{self.total_steps} optimizer steps, " + (
+                  f"schedule {self.schedule.to_dict()}" if self.adaptive is None else
+                  f"adaptive factor {self.adaptive['min_factor']}..{self.adaptive['max_factor']} (at most "
+                  f"that many steps)"), flush=True)
+
+    def _after_step(self, info) -> None:
+        """What follows every optimizer step, on every rank, in this order (the engine's one on_step callback):
+
+        1. the step's metrics.jsonl line and progress (rank 0);
+        2. evaluation when due; early stopping sets ``engine.should_stop`` (same numbers on every rank);
+        3. the checkpoint: every ``checkpoint.every_n_steps`` steps, and whenever the engine is to stop (early stop
+           above, or the ranks' agreed preemption), so that a stop always has its step saved;
+        4. the stop itself: with ``should_stop`` set the engine leaves the epoch after this callback and fit()
+           finishes (early stop) or answers the preemption.
+        """
+        if self.metrics is not None:
+            self.metrics.write(info, self.engine.effective_batch)
+            self.progress.step(info, self.engine.effective_batch)
+        if self.validation is not None and self.validation.due_after_step(info.step):
+            self.validate(info.epoch)
+            if self.early_stopped:
+                self.engine.should_stop = True  # ends the epoch's loop after this step, on every rank
+        self.checkpointer.on_step(info)
+
+    def _after_epoch(self, epoch: int, began: float) -> None:
+        """At an epoch end (not stopped): evaluation when due, the epoch's checkpoint, its progress line."""
+        if self.validation is not None and self.validation.due_after_epoch(epoch, self.engine.optimizer_steps):
+            self.validate(epoch)
+        self.checkpointer.epoch_end()
+        if self.progress is not None and self.engine.last_step is not None:
+            self.progress.epoch_end(epoch, self.engine.last_step.loss, time.time() - began)
+
     def validate(self, epoch: int) -> None:
         """Evaluate (collective); on every rank, stop when early stopping says so (same numbers everywhere)."""
         record = self.validation.run(epoch, self.engine.optimizer_steps)
@@ -213,63 +276,12 @@ class Trainer:
         if self.validation.stop:
             self.early_stopped = True
 
-    def _validate_step(self, info) -> None:
-        if self.validation is not None and self.validation.due_after_step(info.step):
-            self.validate(info.epoch)
-            if self.early_stopped:
-                self.engine.should_stop = True  # ends the epoch's loop after this step, on every rank
-
-    def loss_fn(self, model, batch):
-        return self.task.loss_fn(model, to_device(batch, self.device))
-
-    def _on_step(self, info) -> None:
-        if self.metrics is not None:
-            self.metrics.write(info, self.engine.effective_batch)
-            self.progress.step(info, self.engine.effective_batch)
-
-    def fit(self) -> None:
-        cfg = self.cfg
-        # before the metrics writer: it cuts metrics.jsonl back to the checkpoint
-        step = self.checkpointer.restore(self.checkpoint_parts(), self.loader)
-        if self.validation is not None:
-            self.validation.truncate(step)  # eval.jsonl likewise
-            self.early_stopped = self.validation.stop  # a resumed run that had stopped early stays stopped
-        if self.rank == 0:
-            os.makedirs(self.run_dir, exist_ok=True)
-            self.metrics = MetricsWriter(self.run_dir, cfg.logging.tensorboard, self.start)
-            self.progress = Progress(cfg.logging.progress, cfg.run.epochs, self.total_steps, cfg.logging.log_every)
-            print(f"accum-sched: world {self.world}, {len(self.loader)} micro-batches of "
-                  f"{cfg.data.micro_batch_size} per rank per epoch, {cfg.run.epochs} epochs, "
-                  f"{self.total_steps} optimizer steps, " + (
-                      f"schedule {self.schedule.to_dict()}" if self.adaptive is None else
-                      f"adaptive factor {self.adaptive['min_factor']}..{self.adaptive['max_factor']} (at most "
-                      f"that many steps)"), flush=True)
-        self.engine.on_step(self._on_step)
-        self.engine.on_step(self._validate_step)  # after the step's metrics line, before its checkpoint
-        self.engine.on_step(self.checkpointer.on_step)  # after the metrics line of the same step
-        for epoch in range(self.engine.epoch_index, cfg.run.epochs if not self.early_stopped else 0):
-            began = time.time()
-            self.sampler.set_epoch(epoch)
-            self.engine.train_epoch(self.checkpointer.loader(epoch, self.loader), self.loss_fn, epoch, skip=False)
-            if self.engine.should_stop:
-                break
-            if self.validation is not None and self.validation.due_after_epoch(epoch, self.engine.optimizer_steps):
-                self.validate(epoch)
-            self.checkpointer.epoch_end()
-            if self.progress is not None and self.engine.last_step is not None:
-                self.progress.epoch_end(epoch, self.engine.last_step.loss, time.time() - began)
-            if self.early_stopped:
-                break
-        if self.engine.should_stop and not self.early_stopped:
-            self.stop_for_preemption()
-            return
-        self.finish()
-
     def checkpoint_parts(self) -> dict:
         """What a checkpoint saves and restores of this trainer, by name (launcher/checkpoint/parts.py)."""
         return {"engine": self.engine, "model": self.model, "optimizer": self.optimizer,
-                "scaler": getattr(self.engine.backend, "scaler", None), "lr_scheduler": self.lr_scheduler,
-                "validation": self.validation, "sampler": SamplerEpoch(self.sampler), "deepspeed": self.ds_engine}
+                "scaler": self.engine.backend.scaler, "lr_scheduler": self.lr_scheduler,
+                "validation": self.validation, "sampler": SamplerEpoch(self.sampler), "backend": self.backend,
+                "setup": self.setup}
 
     def stop_for_preemption(self) -> None:
         """The ranks agreed to stop after this micro-batch (a preemption signal, launcher/train/preempt.py): commit its
@@ -287,17 +299,8 @@ class Trainer:
         print(f"accum-sched: {'job requeued' if requeue() else 'not requeued'}", flush=True)
 
     def final_state_dict(self) -> dict | None:
-        if self.ds_engine is not None:
-            from launcher.backends import deepspeed as deepspeed_setup
-
-            return deepspeed_setup.consolidated_state_dict(self.ds_engine)
-        if self.fsdp:
-            from launcher.backends import fsdp as fsdp_setup
-
-            return fsdp_setup.consolidated_state_dict(self.model)
-        if self.rank != 0:
-            return None
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        """The trained model on rank 0 (None elsewhere); collective where the back end shards it."""
+        return self.backend.final_state_dict(self.setup, self.rank)
 
     def finish(self) -> None:
         if self.early_stopped and self.rank == 0:

@@ -1,0 +1,24 @@
+"""One process, no wrapper: the model trains as it is (``distributed.backend: ddp`` on a world of one).
+
+The AccumulationEngine drives the bare module; trainer.pt holds the model and optimizer; model.pt is the model's
+own state_dict. launcher/backends/ddp.py adds the DDP wrapper for more ranks and keeps the rest.
+"""
+from __future__ import annotations
+
+from launcher.backends.base import LauncherBackend, OptimizerFactory, Setup
+
+
+class SingleProcessBackend(LauncherBackend):
+    """The model unwrapped; checkpoints and model.pt hold its plain state_dict (written by rank 0)."""
+
+    name = "single"  # not a config value: what ``ddp`` is on one rank
+
+    def setup(self, cfg, model, make_optimizer: OptimizerFactory, device, world: int) -> Setup:
+        optimizer, lr_scheduler = make_optimizer(model)  # the module itself: no_decay matches its names
+        return Setup(module=model, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                     engine_args={"optimizer": optimizer, "lr_scheduler": lr_scheduler})
+
+    def final_state_dict(self, setup: Setup, rank: int) -> dict | None:
+        if rank != 0:
+            return None
+        return {k: v.detach().cpu().clone() for k, v in setup.model.state_dict().items()}
