@@ -6,7 +6,8 @@ DistributedDataParallel module or a DeepSpeed engine. Importing this package nev
 from accum_sched.schedule import AccumulationSchedule, Position
 
 __version__ = "0.1.0"
-__all__ = ["AccumulationSchedule", "AccumulationEngine", "Position", "ResumeSampler", "StepInfo", "optimizer_steps"]
+__all__ = ["AccumulationSchedule", "AccumulationEngine", "Position", "ResumeSampler", "StepInfo", "optimizer_steps",
+           "consolidated_state_dict", "ensure_torch_extensions_dir"]
 
 
 def __getattr__(name):
@@ -19,4 +20,9 @@ def __getattr__(name):
         from accum_sched.resume import ResumeSampler
 
         return ResumeSampler
+    if name in ("consolidated_state_dict", "ensure_torch_extensions_dir"):
+        # the DeepSpeed back end's helpers; that module imports DeepSpeed only inside the functions that need it
+        from accum_sched.backends import deepspeed
+
+        return getattr(deepspeed, name)
     raise AttributeError(f"module 'accum_sched' has no attribute {name!r}")

@@ -34,7 +34,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from accum_sched import collective, window_stats
-from accum_sched.backends import is_deepspeed_engine, make_backend
+from accum_sched.backends import make_backend
+from accum_sched.backends.base import module_device
 from accum_sched.schedule import AccumulationSchedule, Position
 from accum_sched.step_rules import scale_gradients
 
@@ -150,7 +151,7 @@ class AccumulationEngine:
             step's gradient for NaN/inf and report its norm.
         gradient_sync: FSDP2 models only: ``"boundary"`` (default; one reduce-scatter per optimizer step, unsharded
             gradients held inside the window) or ``"every_micro_batch"`` (reduce-scatter each micro-batch into
-            sharded gradients; less memory, more traffic). See accum_sched/fsdp_backend.py.
+            sharded gradients; less memory, more traffic). See accum_sched/backends/fsdp.py.
     """
 
     def __init__(self, model, optimizer=None, schedule=1, *, lr_scheduler=None, max_grad_norm: float | None = None,
@@ -185,10 +186,9 @@ class AccumulationEngine:
         self.lr_coupling = lr_coupling
         self.micro_batch_size = micro_batch_size
         self.norm_every = norm_every
-        scaler = None
-        if precision == "fp16" and not is_deepspeed_engine(model):  # DeepSpeed's fp16 brings its own loss scaler
-            scaler = torch.amp.GradScaler(_module_device(model).type)  # "cpu" works too (torch >= 2.3)
-        self.backend = make_backend(model, optimizer, lr_scheduler, scaler, count_allreduce, gradient_sync)
+        # fp16: torch back ends run a GradScaler (backend.scaler); DeepSpeed's fp16 brings its own loss scaler
+        self.backend = make_backend(model, optimizer, lr_scheduler, precision=precision,
+                                    count_allreduce=count_allreduce, gradient_sync=gradient_sync)
         self.world_size = self.backend.world_size
         self.callbacks: list[Callable[[StepInfo], None]] = []
         self.noise = self._make_noise() if noise_scale else None
@@ -222,7 +222,7 @@ class AccumulationEngine:
 
         # stopping inside a window (see resume.py): needs a back end that can hand out its local gradients
         # (and no per-micro-batch state of its own outside the gradients: the noise scale's sums are not saved)
-        partial_ok = getattr(self.backend, "partial_window_ok", False) and self.noise is None
+        partial_ok = self.backend.capabilities.stop_mid_window and self.noise is None
         self.stop_at = stop_at if partial_ok else "boundary"
         self._stop_poll = StopPoll(self.world_size) if self.stop_at == "micro_batch" else None
 
@@ -285,8 +285,9 @@ class AccumulationEngine:
 
         if self.normalize != "elements":
             raise ValueError("noise_scale needs normalize='elements' (the estimator works on per-element means)")
-        if type(self.backend).__name__ == "FSDPBackend":  # its probes read DDP buckets or whole local gradients
-            raise ValueError("noise_scale / adaptive are not measured with FSDP2 yet; use DDP or DeepSpeed ZeRO-0")
+        if self.backend.capabilities.noise_scale is None:  # its probes read DDP buckets or whole local gradients
+            raise ValueError(f"noise_scale / adaptive are not measured with {self.backend.name} yet; use DDP or "
+                             f"DeepSpeed ZeRO-0")
         if self.precision == "fp16":
             raise ValueError("noise_scale is not measured under fp16 (loss-scaled local gradients); use bf16 or fp32")
         if self.adaptive is not None and self.world_size == 1 and self.adaptive.min_factor < 2:
@@ -299,7 +300,7 @@ class AccumulationEngine:
         """Context for the forward pass under the configured precision (a no-op for fp32)."""
         if self.precision == "fp32":
             return contextlib.nullcontext()
-        device = _module_device(self.model).type  # CPU autocast takes float16 too
+        device = module_device(self.model).type  # CPU autocast takes float16 too
         dtype = torch.float16 if self.precision == "fp16" else torch.bfloat16
         return torch.autocast(device_type=device, dtype=dtype)
 
@@ -437,7 +438,7 @@ class AccumulationEngine:
         The multiplier is the same on every rank (the micro-batch size is agreed at each epoch start).
         """
         if (self.micro_batch_size is None or self.normalize != "elements"
-                or not getattr(self.backend, "prescale_ok", False)):
+                or not self.backend.capabilities.prescale):
             return 1.0
         return self._averaging / (self.micro_batch_size * size * self.world_size)
 
@@ -512,7 +513,7 @@ class AccumulationEngine:
         back the scale off, never raise.
         """
         nonfinite = totals.nonfinite or (totals.grad_norm is not None and not math.isfinite(totals.grad_norm))
-        scaler = getattr(self.backend, "scaler", None)
+        scaler = self.backend.scaler
         overflow = nonfinite and scaler is not None
         loss_scale = None if scaler is None else float(scaler.get_scale())  # before update(): this window's scale
         if nonfinite and self.nonfinite == "raise" and not overflow:
@@ -533,9 +534,8 @@ class AccumulationEngine:
         """Let the back end scale, clip and step; returns what this step was."""
         lr_scale = self._lr_scale(factor, noise, size, float(totals.elements))
         lr = self.backend.lr() * lr_scale
-        on_window = getattr(self.backend, "on_window", None)
-        if on_window is not None:  # a back end with its own batch bookkeeping (DeepSpeed's GAS, global_samples)
-            on_window(factor, size, totals.samples)
+        # a back end with its own batch bookkeeping (DeepSpeed's GAS, global_samples); a no-op elsewhere
+        self.backend.on_window(factor, size, totals.samples)
         if lr_scale == 1.0:
             self.backend.step(coef, self.max_grad_norm, totals.grad_norm, skip)
         else:
@@ -692,12 +692,6 @@ class StopPoll:
         agreed = bool(self._flag.item() > 0)  # a CPU tensor on a gloo group: no device sync
         self._flag = self._work = None
         return agreed
-
-
-def _module_device(model) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 def optimizer_steps(schedule, batches_per_epoch, epochs: int) -> int:

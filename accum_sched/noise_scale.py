@@ -155,9 +155,9 @@ class BucketProbe(_WindowProbe):
     per bucket would change in its last bits after a resume, and resumed decisions must repeat bit for bit.
     """
 
-    def __init__(self, backend):
+    def __init__(self, backend, params):
         super().__init__()
-        self.index = {id(p): i for i, p in enumerate(backend.model.parameters())}
+        self.index = {id(p): i for i, p in enumerate(params)}
         self.reduced: dict[int, torch.Tensor] = {}
         if not backend.observe_buckets(self._before, self._after):
             raise ValueError("noise_scale needs accum_sched's DDP comm hook (count_allreduce=True and no comm hook "
@@ -200,7 +200,8 @@ class MicroBatchProbe(_Probe):
 class AccumulatedGradProbe(_WindowProbe):
     """DeepSpeed ZeRO-0 in fp32: DeepSpeed all-reduces ``.grad`` after the window's last backward has finished, so
     a post-accumulate-grad hook on every parameter sees this rank's accumulated gradient just before. The hooks do
-    nothing off the boundary (DeepSpeed's back end knows, from ``sync_context``, which micro-batch closes the window).
+    nothing off the boundary (the back end's ``at_boundary``: it knows, from ``sync_context``, which micro-batch
+    closes the window).
     """
 
     def __init__(self, backend, params):
@@ -211,21 +212,9 @@ class AccumulatedGradProbe(_WindowProbe):
 
     def _hook(self, index: int):
         def accumulated(param):
-            if self.backend._boundary:
+            if self.backend.at_boundary:
                 self.local[index] = _squared_norm(param.grad)
         return accumulated
-
-
-def _deepspeed_params(backend) -> list:
-    """The DeepSpeed module's parameters, when its local gradient is at hand; ValueError otherwise."""
-    ds = backend.ds
-    stage = int(ds.zero_optimization_stage())
-    if stage != 0 or ds.bfloat16_enabled() or ds.fp16_enabled():
-        raise ValueError(f"noise_scale with DeepSpeed needs ZeRO stage 0 in fp32 (this engine: stage {stage}"
-                         f"{', bf16' if ds.bfloat16_enabled() else ''}{', fp16' if ds.fp16_enabled() else ''}): "
-                         f"elsewhere DeepSpeed reduces or partitions the gradient where the local one is not handed "
-                         f"out; use stage 0 or the DDP back end")
-    return list(ds.module.parameters())
 
 
 class WindowNoise:
@@ -233,14 +222,16 @@ class WindowNoise:
 
     def __init__(self, backend, ema: float = 0.95):
         self.estimator = NoiseScale(ema)
-        deepspeed = type(backend).__name__ == "DeepSpeedBackend"
-        params = _deepspeed_params(backend) if deepspeed else list(backend.model.parameters())
-        if backend.world_size == 1:
+        params = backend.noise_params()  # where the local gradient is not at hand: ValueError
+        how = "micro_batch" if backend.world_size == 1 else backend.capabilities.noise_scale
+        if how == "micro_batch":
             self.probe = MicroBatchProbe(params)
-        elif deepspeed:
+        elif how == "accumulated_grad":
             self.probe = AccumulatedGradProbe(backend, params)
+        elif how == "buckets":
+            self.probe = BucketProbe(backend, params)
         else:
-            self.probe = BucketProbe(backend)
+            raise ValueError(f"noise_scale is not measured with {backend.name}")
 
     def after_backward(self, n: torch.Tensor, multiplier: float, boundary: bool) -> None:
         self.probe.after_backward(n, multiplier, boundary)

@@ -1,8 +1,8 @@
 """The numbers ranks sum at each window end (element and sample counts, loss, flags), packed into one small vector.
 
-The vector travels inside a gradient bucket when it can (DDP: see :mod:`accum_sched.ddp_hook`), so it is summed in
-the bucket's dtype, usually fp32. fp32 holds integers exactly only up to 2**24, so each count is split into three
-base-4096 digits: a digit is < 4096 on every rank, the sum of one digit over up to 4096 ranks stays < 2**24, and
+The vector travels inside a gradient bucket when it can (DDP: see :mod:`accum_sched.backends.ddp_hook`), so it is
+summed in the bucket's dtype, usually fp32. fp32 holds integers exactly only up to 2**24, so each count is split into
+three base-4096 digits: a digit is < 4096 on every rank, the sum of one digit over up to 4096 ranks stays < 2**24, and
 the sums are exact in any summation order. Counts up to 2**36 per rank and window are exact.
 
 Building the vector never waits for the device: host numbers go up through one pinned, non-blocking copy (CUDA) and

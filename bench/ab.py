@@ -146,9 +146,9 @@ def build_variant(name: str, args, w: Workload, schedule: dict):
         model = build_model(w.model)
         ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
         if name == "hand_hook":  # the same loop with the counting hook (torch's dividing Python hook inside)
-            from accum_sched.backends import _counting_allreduce, _Counter
+            from accum_sched.backends.counting import CountingState, counting_allreduce
 
-            ddp.register_comm_hook(_Counter(), _counting_allreduce)
+            ddp.register_comm_hook(CountingState(), counting_allreduce)
         return HandWritten(ddp, make_optimizer(w, model.parameters()))
     if name in ENGINE_KWARGS:
         model = build_model(w.model)
@@ -197,7 +197,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.deepspeed is not None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        from accum_sched.deepspeed_backend import ensure_torch_extensions_dir
+        from accum_sched.backends.deepspeed import ensure_torch_extensions_dir
 
         ensure_torch_extensions_dir()
     dist.init_process_group("gloo")

@@ -4,7 +4,7 @@ Each runs on every rank (started by torchrun), trains ``Workload`` and reports t
 ``rec.epoch_start(e)`` / ``rec.epoch_end(e)`` around every epoch, ``rec.step()`` after every optimizer step, and
 ``rec.counts`` a callable giving (gradient all-reduce rounds, bytes) so far. It returns the trained module, whose
 parameters are compared with the plain-torch reference. Gradient rounds are counted by the same DDP comm hook for
-every DDP-based variant (accum_sched.backends._counting_allreduce), so the counts are comparable.
+every DDP-based variant (accum_sched.backends.counting.counting_allreduce), so the counts are comparable.
 
 Adding a variant (the DeepSpeed rows are meant to arrive this way):
     1. write ``def run_x(w: Workload, rec: Recorder) -> torch.nn.Module`` below;
@@ -36,13 +36,13 @@ class Variant:
 
 
 def _ddp(w: Workload, rec) -> tuple[torch.nn.Module, DDP]:
-    from accum_sched.backends import _counting_allreduce, _Counter
+    from accum_sched.backends.counting import CountingState, counting_allreduce
 
     dist.init_process_group("gloo")
     model = build_model(w.model)
     ddp = DDP(model)
-    counter = _Counter()
-    ddp.register_comm_hook(counter, _counting_allreduce)
+    counter = CountingState()
+    ddp.register_comm_hook(counter, counting_allreduce)
     rec.counts = lambda: (counter.rounds, counter.bytes)
     return model, ddp
 
@@ -104,7 +104,7 @@ def run_lightning(w: Workload, rec) -> torch.nn.Module:
     from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
     from lightning.pytorch.strategies import DDPStrategy
 
-    from accum_sched.backends import _counting_allreduce, _Counter
+    from accum_sched.backends.counting import CountingState, counting_allreduce
 
     net = build_model(w.model)
 
@@ -123,7 +123,7 @@ def run_lightning(w: Workload, rec) -> torch.nn.Module:
     class Timing(Callback):
         def on_train_start(self, trainer, module):
             # DDPStrategy(ddp_comm_hook=...) registers hooks on CUDA only; on CPU register the counter ourselves
-            trainer.strategy.model.register_comm_hook(counter, _counting_allreduce)
+            trainer.strategy.model.register_comm_hook(counter, counting_allreduce)
 
         def on_train_epoch_start(self, trainer, module):
             rec.epoch_start(trainer.current_epoch)
@@ -135,7 +135,7 @@ def run_lightning(w: Workload, rec) -> torch.nn.Module:
         def on_train_epoch_end(self, trainer, module):
             rec.epoch_end(trainer.current_epoch)
 
-    counter = _Counter()
+    counter = CountingState()
     rec.counts = lambda: (counter.rounds, counter.bytes)
     trainer = pl.Trainer(
         accelerator="cpu", devices=w.world, num_nodes=1, max_epochs=w.epochs,
@@ -152,7 +152,7 @@ def run_accelerate(w: Workload, rec) -> torch.nn.Module:
     """Hugging Face Accelerate: accumulate() with gradient_accumulation_steps changed at each epoch start."""
     from accelerate import Accelerator
 
-    from accum_sched.backends import _counting_allreduce, _Counter
+    from accum_sched.backends.counting import CountingState, counting_allreduce
 
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
@@ -164,8 +164,8 @@ def run_accelerate(w: Workload, rec) -> torch.nn.Module:
     loader = DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=w.micro, shuffle=False)
     net = build_model(w.model)
     model, optimizer, loader = accelerator.prepare(net, make_optimizer(w, net.parameters()), loader)
-    counter = _Counter()
-    model.register_comm_hook(counter, _counting_allreduce)
+    counter = CountingState()
+    model.register_comm_hook(counter, counting_allreduce)
     rec.counts = lambda: (counter.rounds, counter.bytes)
     first = next(iter(loader))[0]
     assert torch.equal(first, per_rank[rank][0][:w.micro]), "Accelerate handed this rank another rank's data"

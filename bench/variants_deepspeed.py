@@ -47,7 +47,7 @@ def _count_collectives(rec) -> None:
 
 def _initialize(w: Workload, stage: int, gas: int):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from accum_sched.deepspeed_backend import ensure_torch_extensions_dir
+    from accum_sched.backends.deepspeed import ensure_torch_extensions_dir
 
     ensure_torch_extensions_dir()
     import deepspeed
@@ -69,7 +69,7 @@ def _loader(w: Workload) -> DataLoader:
 def run_deepspeed_engine(w: Workload, rec, stage: int) -> torch.nn.Module:
     """accum_sched's DeepSpeed back end: our boundaries and exact normalisation, DeepSpeed's ZeRO."""
     from accum_sched import AccumulationEngine
-    from accum_sched.deepspeed_backend import consolidated_state_dict
+    from accum_sched.backends.deepspeed import consolidated_state_dict
 
     _, ds_engine = _initialize(w, stage, w.factor_of_epoch(0))
     _count_collectives(rec)
@@ -86,7 +86,7 @@ def run_deepspeed_engine(w: Workload, rec, stage: int) -> torch.nn.Module:
 
 def run_deepspeed_alone(w: Workload, rec, stage: int) -> torch.nn.Module:
     """DeepSpeed by itself: set_train_batch_size per epoch, mean losses, step() every micro-batch."""
-    from accum_sched.deepspeed_backend import consolidated_state_dict
+    from accum_sched.backends.deepspeed import consolidated_state_dict
 
     _, ds_engine = _initialize(w, stage, w.factor_of_epoch(0))
     _count_collectives(rec)

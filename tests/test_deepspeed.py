@@ -69,7 +69,7 @@ def _train_ds(case, rank: int, stage: int, *, config: dict | None = None, client
     import deepspeed
 
     from accum_sched import AccumulationEngine
-    from accum_sched.deepspeed_backend import consolidated_state_dict
+    from accum_sched.backends.deepspeed import consolidated_state_dict
 
     model = cases.make_model(case)
     kwargs = {"optimizer": cases.make_optimizer(case, model)} if client_optimizer else {
@@ -117,7 +117,7 @@ def _guard_checks(rank: int) -> dict:
     import deepspeed
 
     from accum_sched import AccumulationEngine
-    from accum_sched.deepspeed_backend import DeepSpeedInternalsChanged
+    from accum_sched.backends.deepspeed import DeepSpeedInternalsChanged
 
     sgd = BY_NAME["sgd-changing-partial"]
     out = {}
@@ -200,7 +200,7 @@ def _worker(rank: int, world: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from accum_sched.deepspeed_backend import ensure_torch_extensions_dir
+    from accum_sched.backends.deepspeed import ensure_torch_extensions_dir
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     ensure_torch_extensions_dir()  # DeepSpeed JIT-compiles a shared-memory op on first use; cache it across runs

@@ -38,7 +38,7 @@ def _engine(case, rank, world, schedule=None, **kwargs):
 def _lockstep_checks(rank: int, world: int, out_dir: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from accum_sched.backends import _counting_allreduce, _Counter
+    from accum_sched.backends.counting import CountingState as _Counter, counting_allreduce as _counting_allreduce
 
     report = {}
     loss_fn = cases.loss_fn_for("regression")

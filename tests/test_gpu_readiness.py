@@ -9,6 +9,7 @@ processes and runs DeepSpeed's real fp16 optimizers and loss scaler; nothing els
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -101,7 +102,7 @@ def _train_fp16(rank: int, stage: int, power: int, prescale: bool) -> dict:
     import deepspeed
 
     from accum_sched import AccumulationEngine
-    from accum_sched.deepspeed_backend import consolidated_state_dict
+    from accum_sched.backends.deepspeed import consolidated_state_dict
 
     case = FP16_CASE
     model = cases.make_model(case)
@@ -112,7 +113,8 @@ def _train_fp16(rank: int, stage: int, power: int, prescale: bool) -> dict:
     ds, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=cases.make_optimizer(case, model), config=config)
     engine = AccumulationEngine(ds, None, case.schedule, precision="fp16", micro_batch_size=case.micro)
     if not prescale:
-        engine.backend.prescale_ok = False  # the behaviour before the fix: backward of the window's raw sum
+        # the behaviour before the fix: backward of the window's raw sum
+        engine.backend.capabilities = dataclasses.replace(engine.backend.capabilities, prescale=False)
     plain = cases.loss_fn_for(case.kind)
 
     def loss_fn(model, batch):
@@ -149,7 +151,7 @@ def _fp16_worker(rank: int, world: int, out: str) -> None:
 
 @pytest.mark.skipif(not HAVE_DS, reason="deepspeed is not installed (pip install -e .[deepspeed])")
 def test_deepspeed_fp16_prescales_exactly_and_keeps_its_loss_scale(tmp_path):
-    from accum_sched.deepspeed_backend import ensure_torch_extensions_dir
+    from accum_sched.backends.deepspeed import ensure_torch_extensions_dir
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     ensure_torch_extensions_dir()

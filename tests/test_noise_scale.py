@@ -137,7 +137,7 @@ def _deepspeed(rank, case, stage):
 
 def _launch(world: int, tmp_path_factory, resume: bool):
     if resume and HAVE_DEEPSPEED:
-        from accum_sched.deepspeed_backend import ensure_torch_extensions_dir
+        from accum_sched.backends.deepspeed import ensure_torch_extensions_dir
 
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         ensure_torch_extensions_dir()

@@ -179,7 +179,7 @@ def test_single_process_one_host_sync_per_step_none_per_micro_batch():
 
 
 def test_carrier_grows_a_bucket_that_owns_its_storage_and_copies_one_that_does_not():
-    from accum_sched.ddp_hook import HookState
+    from accum_sched.backends.ddp_hook import HookState
 
     state = HookState(None)
     bucket = torch.arange(6.0)

@@ -319,7 +319,7 @@ def _prepare_environment(world_size: int) -> None:
     """What DeepSpeed needs before its import / init: the accelerator, a stable JIT cache, a process group."""
     import torch
 
-    from accum_sched.deepspeed_backend import ensure_torch_extensions_dir
+    from accum_sched.backends.deepspeed import ensure_torch_extensions_dir
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skip DeepSpeed's accelerator probing and its warning
@@ -382,7 +382,7 @@ def initialize(cfg, model, optimizer, lr_scheduler, world_size: int):
 
 def consolidated_state_dict(ds_engine) -> dict | None:
     """The final model as a plain fp32 state_dict on rank 0 (None elsewhere), at every ZeRO stage. Collective."""
-    from accum_sched.deepspeed_backend import consolidated_state_dict as gather
+    from accum_sched.backends.deepspeed import consolidated_state_dict as gather
 
     return gather(ds_engine, rank0_only=True)
 

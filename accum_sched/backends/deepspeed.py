@@ -28,18 +28,20 @@ DeepSpeed's ``train_batch_size`` / ``gradient_accumulation_steps`` follow the en
 (``set_train_batch_size(micro x factor x world)``), and ``global_samples`` is advanced by the real number of samples of
 each window (partial windows included), so DeepSpeed's logs, LR scheduler and checkpoints see true numbers.
 
-DeepSpeed is imported inside the functions that need it, and :mod:`accum_sched.backends` imports this module only
-when a DeepSpeed engine is handed in.
+DeepSpeed is imported inside the functions that need it, and the registry (:mod:`accum_sched.backends.registry`)
+imports this module only when a DeepSpeed engine is handed in.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 
 import torch
 
 from accum_sched import collective
+from accum_sched.backends.base import Backend, BackendOptions, Capabilities
 from accum_sched.step_rules import NO_CONTEXT, gradient_scale, scale_gradients, scaled_lr, squared_norm
 
 
@@ -72,7 +74,7 @@ def _optimizer_classes():
                                                                                     FP16_UnfusedOptimizer)
 
 
-class DeepSpeedBackend:
+class DeepSpeedBackend(Backend):
     """Drives a ``DeepSpeedEngine`` (ZeRO 0-3, fp32 or bf16) under the accumulation engine.
 
     Args:
@@ -82,9 +84,15 @@ class DeepSpeedBackend:
         lr_scheduler: None, or a scheduler DeepSpeed does not know about (we step it once per optimizer step). A
             scheduler given to ``deepspeed.initialize`` (or from the JSON's ``scheduler`` section) is stepped by
             DeepSpeed itself.
+        options: the engine's settings; DeepSpeed's JSON decides precision (its own loss scaler under fp16).
     """
 
-    def __init__(self, ds_engine, optimizer=None, lr_scheduler=None):
+    name = "DeepSpeed"
+    # No stop inside a window: DeepSpeed's accumulated gradient is not handed out (and at ZeRO 2-3 already
+    # partitioned). The noise scale reads .grad after the window's last backward (ZeRO-0 in fp32, noise_params).
+    capabilities = Capabilities(stop_mid_window=False, prescale=True, fp16="native", noise_scale="accumulated_grad")
+
+    def __init__(self, ds_engine, optimizer=None, lr_scheduler=None, options: BackendOptions | None = None):
         self.ds = ds_engine
         opt = getattr(ds_engine, "optimizer", None)
         if opt is None or type(opt).__name__ == "DummyOptim":
@@ -117,15 +125,14 @@ class DeepSpeedBackend:
                              f"({collective.world_size()}): model/pipeline/sequence parallelism is not supported")
         # MEAN (the default) averages the gradient over ranks, so the engine multiplies by the world size.
         self.averages_over_world = bool(getattr(ds_engine, "gradient_average", True))
-        # The engine multiplies each loss by the full window's 1/count (AccumulationEngine._window_prescale), so the
-        # gradients DeepSpeed stores are normalised already: full windows need no pass over the gradient at the step
+        # capabilities.prescale: the engine multiplies each loss by the full window's 1/count, so the gradients
+        # DeepSpeed stores are normalised already: full windows need no pass over the gradient at the step
         # (measured: that pass cost ~10% of a 1M-parameter ZeRO-0 step at factor 1 on CPU). fp16 needs it all the
         # more: a window sum would be ~N x larger, make the loss scale back off ~N x, and a later 1/N on fp16
         # storage would underflow; there the boundary's remaining correction (a short micro-batch, token counts,
         # clipping) is folded into DeepSpeed's fp32 unscale (_fp32_unscale) instead of a pass over fp16 storage.
-        self.prescale_ok = True
         self._fold_into_unscale = bool(ds_engine.fp16_enabled())
-        self._boundary = True
+        self.at_boundary = True
         self._window_samples: int | None = None
         check_internals(ds_engine)
         self._shapes_checked = False
@@ -139,6 +146,7 @@ class DeepSpeedBackend:
         if self._carry:
             self.stats_dtype = torch.float32  # the bucket's; base-4096 digits keep the counts exact in it
             self._wrap_allreduce_bucket()
+            self.capabilities = dataclasses.replace(self.capabilities, stats_in_gradient_collective=True)
 
     # -- counters (DeepSpeed launches its own collectives; they are not counted here) ---------------------------
     @property
@@ -152,7 +160,7 @@ class DeepSpeedBackend:
     # -- per micro-batch ----------------------------------------------------------------------------------------
     def sync_context(self, boundary: bool):
         """Tell DeepSpeed, before the forward, whether this micro-batch closes the window."""
-        self._boundary = boundary
+        self.at_boundary = boundary
         self.ds.set_gradient_accumulation_boundary(boundary)
         return NO_CONTEXT
 
@@ -160,7 +168,7 @@ class DeepSpeedBackend:
         # scale_wrt_gas=False: DeepSpeed must not divide by its GAS; the engine divides the window's gradient by the
         # global element count at the boundary.
         self.ds.backward(loss, scale_wrt_gas=False)
-        if not self._boundary:
+        if not self.at_boundary:
             self.ds.step()  # not a boundary: only advances DeepSpeed's micro-step counter (no update, no reduction)
 
     # -- per window ---------------------------------------------------------------------------------------------
@@ -296,11 +304,17 @@ class DeepSpeedBackend:
     def lr(self) -> float:
         return float(self.ds.get_lr()[0])
 
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
+    def noise_params(self) -> list:
+        """The DeepSpeed module's parameters, when its local gradient is at hand (ZeRO-0 in fp32); ValueError
+        otherwise."""
+        ds = self.ds
+        stage = int(ds.zero_optimization_stage())
+        if stage != 0 or ds.bfloat16_enabled() or ds.fp16_enabled():
+            raise ValueError(f"noise_scale with DeepSpeed needs ZeRO stage 0 in fp32 (this engine: stage {stage}"
+                             f"{', bf16' if ds.bfloat16_enabled() else ''}{', fp16' if ds.fp16_enabled() else ''}): "
+                             f"elsewhere DeepSpeed reduces or partitions the gradient where the local one is not "
+                             f"handed out; use stage 0 or the DDP back end")
+        return list(ds.module.parameters())
 
 
 _MISSING = object()

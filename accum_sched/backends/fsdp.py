@@ -22,10 +22,13 @@ is empty (``Linear(5, 1)`` on 2 ranks) contributes zero and still takes part in 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from accum_sched import collective
-from accum_sched.backends import TorchBackend
+from accum_sched.backends.base import BackendOptions
+from accum_sched.backends.torch_optim import TorchBackend
 from accum_sched.step_rules import squared_norm
 
 SYNC_MODES = ("boundary", "every_micro_batch")
@@ -52,19 +55,24 @@ class FSDPBackend(TorchBackend):
         gradient_sync: ``"boundary"`` or ``"every_micro_batch"`` (see the module docstring).
     """
 
+    name = "FSDP2"
+    # A stop inside a window is not offered (the engine falls back to stopping at the boundary): in boundary mode
+    # the window's gradient lives in FSDP2's private unsharded accumulation buffers, not in ``.grad``. fp16 is
+    # refused: GradScaler finds infs per shard, so ranks would disagree on skipping and on the scale. The noise
+    # scale's probes read DDP buckets or whole local gradients, neither of which FSDP2 hands out.
+    capabilities = dataclasses.replace(TorchBackend.capabilities, stop_mid_window=False, fp16="refused",
+                                       noise_scale=None)
     averages_over_world = True
-    #: A stop inside a window is not offered (the engine falls back to stopping at the boundary): in boundary mode
-    #: the window's gradient lives in FSDP2's private unsharded accumulation buffers, not in ``.grad``.
-    partial_window_ok = False
 
-    def __init__(self, model, optimizer, lr_scheduler=None, scaler=None, gradient_sync: str = "boundary"):
-        super().__init__(model, optimizer, lr_scheduler, None)
+    def __init__(self, model, optimizer, lr_scheduler=None, options: BackendOptions | None = None):
+        options = options or BackendOptions()
+        gradient_sync = options.gradient_sync
         if gradient_sync not in SYNC_MODES:
             raise ValueError(f"gradient_sync={gradient_sync!r} is not one of {', '.join(SYNC_MODES)}")
-        if scaler is not None:
-            # GradScaler finds infs per shard, so ranks would disagree on skipping and on the scale.
+        if options.precision == "fp16":
             raise ValueError("precision='fp16' (GradScaler) is not supported with FSDP2; use bf16 autocast or "
                              "MixedPrecisionPolicy(param_dtype=torch.bfloat16)")
+        super().__init__(model, optimizer, lr_scheduler, options)
         self.gradient_sync = gradient_sync
         self.world_size = collective.world_size()
         self._modules = fsdp_modules(model)

@@ -1,0 +1,112 @@
+"""DistributedDataParallel: non-boundary micro-batches run under ``no_sync()``; the boundary one is reduced by the
+engine's comm hook (:mod:`.ddp_hook`), which also carries the window's numbers and takes the gradient norm."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from accum_sched import collective
+from accum_sched.backends.base import BackendOptions
+from accum_sched.backends.ddp_hook import HookState, engine_hook
+from accum_sched.backends.detect import refuse_fsdp_submodules, refuse_gradient_sync
+from accum_sched.backends.torch_optim import TorchBackend
+from accum_sched.step_rules import NO_CONTEXT
+
+
+class DDPBackend(TorchBackend):
+    """DistributedDataParallel: forward and backward of non-boundary micro-batches run under ``no_sync()``.
+
+    With the engine's comm hook (:mod:`.ddp_hook`) the window's numbers and the gradient norm come out of
+    DDP's own gradient all-reduce: no collective of their own. Where the hook cannot be used (the user registered a
+    hook, ``count_allreduce=False``, or low-precision buckets that cannot hold the counts exactly) the numbers take one
+    small all-reduce, started before the last backward so that it overlaps it.
+    """
+
+    name = "DDP"
+    capabilities = dataclasses.replace(TorchBackend.capabilities, noise_scale="buckets")
+    averages_over_world = True
+
+    def __init__(self, model: DistributedDataParallel, optimizer, lr_scheduler=None,
+                 options: BackendOptions | None = None):
+        options = options or BackendOptions()
+        refuse_gradient_sync(options.gradient_sync)
+        refuse_fsdp_submodules(model)
+        super().__init__(model, optimizer, lr_scheduler, options)
+        if getattr(model, "static_graph", False):
+            raise ValueError("DistributedDataParallel(static_graph=True) is not supported: static_graph records the "
+                             "first iterations' reduction order and breaks under no_sync() accumulation; "
+                             "construct DDP without static_graph (find_unused_parameters=True works)")
+        self.world_size = collective.world_size()
+        self.hook: HookState | None = None
+        self._stats_work = None
+        if options.count_allreduce:
+            state = HookState(model.process_group)
+            try:
+                model.register_comm_hook(state, engine_hook)
+                self.hook = state
+            except RuntimeError as exc:  # the user registered a hook of their own: keep it, count nothing
+                warnings.warn(f"gradient all-reduce rounds are not counted: {exc}", stacklevel=3)
+        # our hook sums (see .ddp_hook); DDP's own reduction, or a user's hook, takes the mean
+        self.averages_over_world = self.hook is None
+        dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+        # counts ride in a bucket only where its dtype holds them exactly (window_stats: fp32 or wider)
+        self._stats_in_bucket = self.hook is not None and dtypes <= {torch.float32, torch.float64}
+        self._stats_group = None if self._stats_in_bucket else collective.stats_group()
+        self.stats_dtype = torch.float32 if self._stats_in_bucket else torch.float64
+        self.capabilities = dataclasses.replace(self.capabilities,
+                                                stats_in_gradient_collective=self._stats_in_bucket)
+        # The hook's bucket norms cover every DDP parameter; use them only when those are the optimizer's.
+        ddp_elements = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        opt_elements = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+        self._norm_in_hook = self.hook is not None and self.scaler is None and ddp_elements == opt_elements
+
+    def send_window_stats(self, stats: torch.Tensor, want_norm: bool) -> None:
+        if self.hook is not None:
+            self.hook.want_norm = want_norm and self._norm_in_hook
+            self.hook.squared_norms = []
+        if self._stats_in_bucket:
+            self.hook.reduced_stats = None
+            self.hook.pending_stats = stats
+        else:
+            self._stats = stats
+            self._stats_work = collective.all_sum_async(stats, group=self._stats_group)
+
+    def window_totals(self, want_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._stats_in_bucket:
+            stats, self.hook.reduced_stats = self.hook.reduced_stats, None
+            if stats is None:  # the boundary backward reduced nothing (no parameter took part): sum them here
+                stats, self.hook.pending_stats = collective.all_sum(self.hook.pending_stats.double()), None
+        else:
+            if self._stats_work is not None:
+                self._stats_work.wait()
+            stats, self._stats, self._stats_work = self._stats, None, None
+        if not want_norm:
+            return stats, None
+        squared = self.hook.take_norm() if self._norm_in_hook else None
+        return stats, squared if squared is not None else self._squared_norm()
+
+    def observe_buckets(self, before, after) -> bool:
+        """Call ``before(bucket)`` ahead of every bucket's all-reduce and ``after(bucket, reduced)`` once it is
+        reduced (comm hook thread); False when our comm hook is not installed."""
+        if self.hook is None:
+            return False
+        self.hook.before_reduce.append(before)
+        self.hook.after_reduce.append(after)
+        return True
+
+    @property
+    def allreduce_rounds(self):
+        return None if self.hook is None else self.hook.rounds
+
+    @property
+    def allreduce_bytes(self):
+        return None if self.hook is None else self.hook.bytes
+
+    def sync_context(self, boundary: bool):
+        return NO_CONTEXT if boundary else self.model.no_sync()
+
+
+__all__ = ["DDPBackend"]
