@@ -81,7 +81,7 @@ def reference(world: int, skip=(NAN_WINDOW,)) -> list[torch.Tensor]:
 def assert_params(got, want, what: str) -> None:
     assert len(got) == len(want), what
     for i, (g, w) in enumerate(zip(got, want)):
-        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5, msg=lambda m: f"{what} param {i}: {m}")
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5, msg=lambda m, i=i: f"{what} param {i}: {m}")
 
 
 def assert_skipped_once(run: dict, what: str) -> None:
