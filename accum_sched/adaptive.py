@@ -108,7 +108,7 @@ class AdaptiveFactor:
             state["micro_batches"])
 
     @classmethod
-    def build(cls, spec) -> "AdaptiveFactor":
+    def build(cls, spec) -> AdaptiveFactor:
         """An AdaptiveFactor from itself or from a mapping of its arguments (``accumulation.adaptive``)."""
         if isinstance(spec, cls):
             return spec

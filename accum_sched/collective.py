@@ -6,7 +6,7 @@ calls them at the same point of the loop, so a rank that disagrees learns it the
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

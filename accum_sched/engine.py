@@ -28,8 +28,8 @@ import contextlib
 import logging
 import math
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
-from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -78,7 +78,7 @@ class StepInfo:
         return out
 
     @classmethod
-    def from_dict(cls, record: dict) -> "StepInfo":
+    def from_dict(cls, record: dict) -> StepInfo:
         """The inverse of to_dict (a checkpoint's last step)."""
         from accum_sched.noise_scale import FIELDS
 
@@ -328,7 +328,7 @@ class AccumulationEngine:
             try:
                 num_batches = len(loader)
             except TypeError:
-                raise ValueError("the loader has no len(); pass num_batches= so ranks can agree on the epoch length")
+                raise ValueError("the loader has no len(); pass num_batches= so ranks can agree on the epoch length") from None
         start = self.micro_in_epoch
         if not skip:
             num_batches += start  # the loader yields only what remains

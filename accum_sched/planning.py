@@ -7,11 +7,11 @@ completed before it, and ends at the epoch end at the latest. Standard library o
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence, Union
+from collections.abc import Callable, Sequence
 
 from accum_sched.position import Position, per_epoch
 
-PerMicroStep = Union[int, Callable[[int, int], int], None]
+PerMicroStep = int | Callable[[int, int], int] | None
 
 
 def _per_step(value: PerMicroStep, what: str) -> Callable[[int, int], int]:

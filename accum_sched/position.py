@@ -5,8 +5,8 @@ imports the other's importer (the imports form a DAG). Standard library only.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import bisect
 import math
 import zlib
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from accum_sched.planning import simulate_steps
-from accum_sched.position import Position, per_epoch as _per_epoch
+from accum_sched.position import Position
+from accum_sched.position import per_epoch as _per_epoch
 
 UNITS = ("epoch", "step", "samples", "tokens")
 _SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}

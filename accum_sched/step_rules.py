@@ -6,7 +6,7 @@ gradient by, how it scales the learning rate for one step and how it takes a nor
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -67,8 +67,8 @@ def probe_task(**args):
 
 def slow_save_worker(argv) -> int:
     """launcher.worker.main with rank 0 taking 20 s over its first checkpoint commit (hash + fsync stand-in)."""
-    from launcher.checkpoint import store as checkpoint_store
     from launcher import worker
+    from launcher.checkpoint import store as checkpoint_store
 
     commit, slept = checkpoint_store.commit, []
 
@@ -271,7 +271,8 @@ def check_resume(s: Smoke) -> None:
     # factors that stay whole when one rank fewer keeps the global batch (x world / (world - 1))
     unit = max(1, s.world - 1)
     schedule = {"accumulation": {"schedule": {0: unit, 2: 2 * unit}}}
-    per_rank = -(-(-(-1000 // s.world)) // 16)  # micro-batches per rank per epoch (1000 samples, micro 16)
+    shard = -(-1000 // s.world)  # samples per rank (ceiling division)
+    per_rank = -(-shard // 16)  # micro-batches per rank per epoch (1000 samples, micro 16)
     kill_at = str(per_rank * 4 // 2 + 1)  # rank 0 dies half-way through the 4 epochs, mid-window when factor > 1
     ref = s.accum("run", s.config("resume-ref", checkpoint=every, **schedule))
     if ref.returncode:

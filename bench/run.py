@@ -62,7 +62,7 @@ def launch(name: str, workload: Workload, prefix: str, save_params: bool, timeou
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # this launch's torchrun and its two workers, nothing else
             proc.wait()
-            raise RuntimeError(f"no result after {timeout:.0f} s (log: {prefix}.log)")
+            raise RuntimeError(f"no result after {timeout:.0f} s (log: {prefix}.log)") from None
     if proc.returncode != 0 and not all(os.path.exists(p) for p in paths):
         with open(prefix + ".log") as f:
             tail = [line.strip() for line in f if line.strip()][-3:]

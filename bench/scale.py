@@ -34,8 +34,8 @@ sys.path.insert(0, ROOT)
 
 from accum_sched import AccumulationSchedule, ResumeSampler  # noqa: E402
 from launcher.checkpoint import store  # noqa: E402
-from launcher.train import plan  # noqa: E402
 from launcher.tasks import Task  # noqa: E402
+from launcher.train import plan  # noqa: E402
 
 
 class SlowDataset(Dataset):

@@ -14,8 +14,8 @@ A variant whose ``requires`` cannot be imported is skipped by bench/run.py with 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist

@@ -35,7 +35,7 @@ class Workload:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> "Workload":
+    def from_json(cls, data: dict) -> Workload:
         return cls(**{**data, "factors": tuple(data["factors"])})
 
     @property

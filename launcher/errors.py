@@ -1,4 +1,5 @@
-"""The one error type the command turns into `error: <field>: <what>; <fix>` and exit status 2."""
+"""The launcher's error types: ConfigError, which the command turns into `error: <field>: <what>; <fix>` and exit
+status 2, and CheckpointError (torch-free here, so the back ends raise it without importing the checkpointer)."""
 
 
 class ConfigError(Exception):
@@ -11,3 +12,7 @@ class ConfigError(Exception):
     def line(self) -> str:
         text = f"{self.field}: {self.problem}" if self.field else self.problem
         return f"{text}; {self.hint}" if self.hint else text
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (damaged, another config, another world size): raised on every rank."""

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from launcher.checkpoint import store
+from launcher.checkpoint import resume, store
 from launcher.config import validate
 from launcher.errors import ConfigError
 
@@ -91,11 +91,11 @@ def test_config_identity_names_the_field_and_ignores_what_does_not_train():
     assert store.config_differences(manifest, other) == [("accumulation.schedule", [[0, 1], [2, 2]], [[0, 1], [2, 4]]),
                                                          ("optimizer.lr", 0.001, 0.5)]
     with pytest.raises(ConfigError) as exc:
-        store.check_config("ck", manifest, other)
+        resume.check_config("ck", manifest, other)
     assert exc.value.line().startswith("accumulation.schedule: is [[0, 1], [2, 4]] but checkpoint ck was made with "
                                        "[[0, 1], [2, 2]] (and 1 more field(s)); ")
     forced = config(optimizer={"lr": 0.5}, checkpoint={"force_resume": True})
-    assert store.check_config("ck", manifest, forced) == [("optimizer.lr", 0.001, 0.5)]
+    assert resume.check_config("ck", manifest, forced) == [("optimizer.lr", 0.001, 0.5)]
     # a key the checkpoint does not record counts as its default (older releases recorded defaults too)
     older = {"config_hash": "old", "config": json.loads(json.dumps(manifest["config"]))}
     older["config"]["accumulation"]["lr_coupling"] = "none"
@@ -104,23 +104,23 @@ def test_config_identity_names_the_field_and_ignores_what_does_not_train():
 
 def test_world_size_policy():
     ck = {"world_size": 2, "factor_scale": [1, 1]}
-    assert store.factor_scale(ck, config(), 2) == (1, 1)
+    assert resume.factor_scale(ck, config(), 2) == (1, 1)
     with pytest.raises(ConfigError, match=r"^checkpoint.on_world_change: is 'error' and checkpoint was made by 2"):
-        store.factor_scale(ck, config(), 1)
+        resume.factor_scale(ck, config(), 1)
     keep = config(checkpoint={"on_world_change": "keep_global_batch"})
-    assert store.factor_scale(ck, keep, 1) == (2, 1)  # {0: 2, 2: 4} on one worker
-    assert store.scaled_milestones(keep.schedule.milestones, (2, 1)) == {0: 2, 2: 4}
-    assert store.factor_scale(ck, config(accumulation={"schedule": {0: 2, 2: 4}},
+    assert resume.factor_scale(ck, keep, 1) == (2, 1)  # {0: 2, 2: 4} on one worker
+    assert resume.scaled_milestones(keep.schedule.milestones, (2, 1)) == {0: 2, 2: 4}
+    assert resume.factor_scale(ck, config(accumulation={"schedule": {0: 2, 2: 4}},
                                          checkpoint={"on_world_change": "keep_global_batch"}), 4) == (1, 2)
     with pytest.raises(ConfigError, match="entry 0: 1 would need factor 0.5"):
-        store.factor_scale(ck, keep, 4)
-    assert store.factor_scale({"world_size": 1, "factor_scale": [2, 1]}, keep, 2) == (1, 1)  # back to the start
-    assert store.factor_scale(ck, config(checkpoint={"on_world_change": "keep_factor"}), 3) == (1, 1)
+        resume.factor_scale(ck, keep, 4)
+    assert resume.factor_scale({"world_size": 1, "factor_scale": [2, 1]}, keep, 2) == (1, 1)  # back to the start
+    assert resume.factor_scale(ck, config(checkpoint={"on_world_change": "keep_factor"}), 3) == (1, 1)
     # global_batch: the config already keeps the global batch; keep_factor has to undo that
     gb = {"schedule": None, "global_batch": 32}
-    assert store.factor_scale(ck, config(accumulation=gb, checkpoint={"on_world_change": "keep_global_batch"}), 1) \
+    assert resume.factor_scale(ck, config(accumulation=gb, checkpoint={"on_world_change": "keep_global_batch"}), 1) \
         == (1, 1)
-    assert store.factor_scale(ck, config(accumulation=gb, checkpoint={"on_world_change": "keep_factor"}), 1) == (1, 2)
+    assert resume.factor_scale(ck, config(accumulation=gb, checkpoint={"on_world_change": "keep_factor"}), 1) == (1, 2)
 
 
 def test_redealt_order_and_rng_states_survive_weights_only():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.checkpoint import store
+from launcher.checkpoint import resume, store
 from launcher.config import (
     FSDPConfig,
     RunConfig,
@@ -240,7 +240,7 @@ FSDP_SETS = ["task.target=builtin:charlm", "data.micro_batch_size=4", "run.preci
 def test_a_checkpoint_of_the_previous_release_resumes_without_force_resume(tmp_path, manifest, sets, raw):
     cfg = config(*sets, f"run.output_dir={tmp_path}", **raw)
     assert store.config_hash(cfg) != manifest["config_hash"]  # the hash is new; the fields decide
-    assert store.check_config("ck", manifest, cfg) == []
+    assert resume.check_config("ck", manifest, cfg) == []
     # on disk, through `accum-sched run --resume`'s own check
     tmp = store.step_dir(store.checkpoint_root(cfg), 4) + ".tmp"
     os.makedirs(tmp)
@@ -248,10 +248,10 @@ def test_a_checkpoint_of_the_previous_release_resumes_without_force_resume(tmp_p
         f.write(b"state")
     store.commit(tmp, store.step_dir(store.checkpoint_root(cfg), 4),
                  {"format": store.FORMAT, "step": 4, "world_size": cfg.world_size, **json.loads(json.dumps(manifest))})
-    store.preflight(cfg, "auto")
+    resume.preflight(cfg, "auto")
     # a key it recorded, now at another value, is still refused by name
     with pytest.raises(ConfigError, match=r"^run.seed: is 3 but checkpoint .* was made with 0"):
-        store.preflight(config(*sets, f"run.output_dir={tmp_path}", "run.seed=3", **raw), "auto")
+        resume.preflight(config(*sets, f"run.output_dir={tmp_path}", "run.seed=3", **raw), "auto")
     # and so is a key added since, when set away from its default (here: one the old manifest does not hold)
     newer = json.loads(json.dumps(manifest))
     del newer["config"]["accumulation"]["uneven"]

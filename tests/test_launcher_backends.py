@@ -40,12 +40,13 @@ def test_config_side_imports_no_torch():
     probe = """if True:
         import json, sys
         from launcher import backends
+        from launcher.checkpoint.store import config_hash
         from launcher.cli.check import preflight
         from launcher.config import load_config
         for path in ("configs/deepspeed.yaml", "configs/fsdp.yaml"):
             cfg = load_config(path)
             preflight(cfg)  # what `accum-sched check` does: the DeepSpeed JSON against the world, too
-            backends.get(cfg.distributed.backend).training_fields(cfg.to_dict()["distributed"])
+            config_hash(cfg)  # what preflight's resume check hashes
         print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "deepspeed"))))
     """
     env = {**os.environ, "PYTHONPATH": ROOT}

@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from launcher.checkpoint import resume as resume_checks
 from launcher.checkpoint import store
 from launcher.checkpoint.manifest import MANIFEST, VERSION, Manifest, ManifestError, migrate
 from launcher.checkpoint.resume import plan_resume
@@ -132,7 +133,7 @@ def _verdicts(cfg, world):
 
     assert cfg.world_size == world
     try:
-        store.preflight(cfg, "auto")
+        resume_checks.preflight(cfg, "auto")
         before = None
     except ConfigError as exc:
         before = exc.line()
@@ -184,8 +185,3 @@ def test_auto_with_nothing_to_resume_starts_afresh_in_both(tmp_path, capsys):
     assert plan_resume(cfg, 2, None).fresh and not plan_resume(cfg, 2, "auto").fresh
 
 
-def test_the_checks_answer_under_their_old_names_in_store():
-    from launcher.checkpoint import resume
-
-    for name in ("config_differences", "check_config", "factor_scale", "scaled_milestones", "POLICIES"):
-        assert getattr(store, name) is getattr(resume, name)

@@ -437,8 +437,8 @@ def consolidated_state_dict(ds_engine, rank0_only: bool = True) -> dict | None:
     run yields its full-precision weights. A collective: call it on every rank. Returns the dict on rank 0 (on every
     rank when ``rank0_only`` is False) and None elsewhere.
     """
-    from deepspeed.utils import safe_get_full_fp32_param
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+    from deepspeed.utils import safe_get_full_fp32_param
 
     module = ds_engine.module
     full: dict[int, torch.Tensor] = {}

@@ -4,7 +4,7 @@ One object per back end (launcher/backends/__init__.py holds the registry). Ever
 depends on the back end calls one method here instead of comparing ``cfg.distributed.backend`` with a name:
 
 * config validation and ``accum-sched check`` (login nodes, no torch): :meth:`validate`,
-  :meth:`validate_unused`, :meth:`resolve_raw`, :meth:`preflight`, :meth:`training_fields`,
+  :meth:`validate_unused`, :meth:`resolve_raw`, :meth:`preflight`,
   :meth:`check_world_change`;
 * the worker (torch imported): :meth:`setup` builds what the AccumulationEngine drives, :meth:`final_state_dict`
   gathers model.pt;
@@ -73,11 +73,6 @@ class LauncherBackend(ABC):
     def preflight(self, cfg) -> None:
         """Checks that need the launch's world size (``cfg.world_size``) or files the back end reads; raise
         ConfigError. Called by `accum-sched check`, `run` and `slurm` before any worker starts, torch-free."""
-
-    def training_fields(self, distributed: dict) -> dict:
-        """Entries of the ``distributed`` section (given as a plain dict) that change what is trained under this
-        back end, added to a checkpoint's config identity (launcher/checkpoint/store.py). Torch-free."""
-        return {}
 
     def check_world_change(self, what: str, old_world: int) -> None:
         """Raise ConfigError when a checkpoint of this back end cannot resume on another world size (``what``

@@ -428,7 +428,7 @@ class DeepSpeedBackend(LauncherBackend):
         setup.module.save_checkpoint(directory, tag=TAG, save_latest=False)
 
     def load_shards(self, setup: Setup, directory: str) -> None:
-        from launcher.checkpoint.checkpointer import CheckpointError
+        from launcher.errors import CheckpointError
 
         # the engine restores module, (ZeRO-sharded) optimizer and LR scheduler from its files, under its own rules
         loaded, _ = setup.module.load_checkpoint(directory, tag=TAG, load_optimizer_states=True,

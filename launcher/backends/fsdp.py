@@ -135,18 +135,10 @@ class FSDPBackend(LauncherBackend):
                               "use bf16, or distributed.fsdp.param_dtype")
 
     def validate_unused(self, cfg) -> None:
-        # launcher.config is loaded already (its validation calls this); this module must not import it on import
-        from launcher.config.schema import SCHEMA
-
-        if cfg.distributed.fsdp != SCHEMA["distributed"]["fsdp"].default:
+        fsdp = cfg.distributed.fsdp
+        if fsdp.to_dict() != type(fsdp)().to_dict():  # any key away from its default
             raise ConfigError("distributed.fsdp", f"is set but distributed.backend is {cfg.distributed.backend}",
                               "set distributed.backend: fsdp, or remove distributed.fsdp")
-
-    def training_fields(self, distributed: dict) -> dict:
-        # mixed precision changes the numbers; sync mode, wrapping, offload do not (an OOM may be answered by
-        # resuming with every_micro_batch)
-        options = distributed["fsdp"]
-        return {"fsdp": {k: options[k] for k in ("param_dtype", "reduce_dtype")}}
 
     def setup(self, cfg, model, make_optimizer: OptimizerFactory, device, world: int) -> Setup:
         root = shard(cfg, model, device)  # before the optimizer: fully_shard swaps the parameters for sharded ones
@@ -162,7 +154,7 @@ class FSDPBackend(LauncherBackend):
         save(setup.model, setup.optimizer, os.path.join(directory, DIRNAME))
 
     def load_shards(self, setup: Setup, directory: str) -> None:
-        from launcher.checkpoint.checkpointer import CheckpointError
+        from launcher.errors import CheckpointError
 
         try:  # DCP reads the shards, resharded for this world size
             load(setup.model, setup.optimizer, os.path.join(directory, DIRNAME))

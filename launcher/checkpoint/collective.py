@@ -11,12 +11,8 @@ import sys
 
 import torch.distributed as dist
 
-from launcher.errors import ConfigError
+from launcher.errors import CheckpointError, ConfigError
 from launcher.train import coordination
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used (damaged, another config, another world size): raised on every rank."""
 
 
 class Ranks:

@@ -1,7 +1,7 @@
 """Whether and how a run resumes: :func:`plan_resume`, the one implementation of the resume checks. Torch-free.
 
 Two callers reach the same verdict through it: `accum-sched run` / `accum-sched slurm` before anything is launched
-(``store.preflight``: a wrong config or world size is a one-line error with exit 2 on the login node), and the
+(``preflight``: a wrong config or world size is a one-line error with exit 2 on the login node), and the
 workers' Checkpointer (rank 0 plans, every rank gets the plan or the same error), which must check again because a
 restarted worker group or a requeued SLURM job picks its checkpoint by itself, after the launcher checked.
 
@@ -139,3 +139,12 @@ def factor_scale(manifest: Manifest, cfg, world: int, path: str = "") -> tuple[i
 def scaled_milestones(milestones, scale: tuple[int, int]) -> dict[int, int]:
     num, den = scale
     return {key: factor * num // den for key, factor in milestones}
+
+
+# -- before launch ----------------------------------------------------------------------------------------------
+def preflight(cfg, resume: str | None) -> None:
+    """`accum-sched run --resume`: the checkpoint exists and is intact, was made under this config (or
+    force_resume), and the world size is acceptable. ConfigError (exit 2) otherwise; no torch, no worker. The
+    checks are the workers' own (plan_resume)."""
+    if resume:
+        plan_resume(cfg, cfg.world_size, resume)

@@ -29,16 +29,6 @@ from launcher.errors import ConfigError
 
 STATE = "trainer.pt"
 _NAME = re.compile(r"^step-(\d{8,})(?:-mb(\d{6,}))?$")
-# the resume checks moved to launcher/checkpoint/resume.py; these names still answer here (see __getattr__)
-_MOVED_TO_RESUME = ("POLICIES", "check_config", "factor_scale", "scaled_milestones")
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_RESUME:  # imported on use: resume.py imports this module
-        from launcher.checkpoint import resume
-
-        return getattr(resume, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def checkpoint_root(cfg) -> str:
@@ -111,7 +101,7 @@ class HashingFile:
     def flush(self) -> None:
         self._file.flush()
 
-    def __enter__(self) -> "HashingFile":
+    def __enter__(self) -> HashingFile:
         return self
 
     def __exit__(self, kind, value, tb) -> None:
@@ -393,15 +383,3 @@ def truncate_metrics(run_dir: str, step: int) -> int:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return len(kept)
-
-
-# -- before launch ----------------------------------------------------------------------------------------------
-def preflight(cfg, resume: str | None) -> None:
-    """`accum-sched run --resume`: the checkpoint exists and is intact, was made under this config (or
-    force_resume), and the world size is acceptable. ConfigError (exit 2) otherwise; no torch, no worker. The
-    checks are the workers' own (launcher/checkpoint/resume.py)."""
-    if not resume:
-        return
-    from launcher.checkpoint.resume import plan_resume
-
-    plan_resume(cfg, cfg.world_size, resume)

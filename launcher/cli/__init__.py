@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Distributed PyTorch training with a scheduled gradient-accumulation factor.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, module in COMMANDS.items():
+    for module in COMMANDS.values():
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:

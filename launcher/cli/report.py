@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import os
 
-from launcher.report import render as report
-from launcher.report import noise as report_noise
 from launcher.errors import ConfigError
+from launcher.report import noise as report_noise
+from launcher.report import render as report
 
 
 def add_parser(sub) -> None:

@@ -8,12 +8,12 @@ import os
 import sys
 import time
 
-from launcher.checkpoint import store as checkpoint_store
-from launcher.launch import forward
-from launcher.launch import env as launch_env
+from launcher.checkpoint import resume as checkpoint_resume
 from launcher.cli.check import preflight
 from launcher.config import load_config, write_resolved
 from launcher.errors import ConfigError
+from launcher.launch import env as launch_env
+from launcher.launch import forward
 from launcher.launch.torchrun import LaunchPlan, run_id, torchrun_argv
 
 
@@ -60,10 +60,12 @@ def main(args) -> int:
         raise ConfigError("--node-rank", f"{args.node_rank} is outside 0..{dist.nnodes - 1}", "number nodes from 0")
     preflight(cfg)
     if not _plain_optimizer(cfg):
-        from launcher.train.optim import check_config  # imports torch and the named classes: only when there is a name to check
+        from launcher.train.optim import (
+            check_config,  # imports torch and the named classes: only when there is a name to check
+        )
 
         check_config(cfg)
-    checkpoint_store.preflight(cfg, args.resume)  # damaged checkpoint, other config or world size: exit 2 here
+    checkpoint_resume.preflight(cfg, args.resume)  # damaged checkpoint, other config or world size: exit 2 here
     check_devices(cfg)
 
     run_dir = cfg.run.output_dir

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+from launcher.checkpoint import resume as checkpoint_resume
 from launcher.checkpoint import store as checkpoint_store
 from launcher.cli.check import preflight
 from launcher.config import Config, load_config, write_resolved
@@ -111,7 +112,7 @@ def main(args) -> int:
     resume = args.resume if args.resume in (None, "auto") else os.path.abspath(args.resume)
     # As `run` does, before queueing: a damaged checkpoint, another config or world size is an error now, not on
     # the compute node after the job waited in the queue.
-    checkpoint_store.preflight(cfg, resume)
+    checkpoint_resume.preflight(cfg, resume)
     config_path = os.path.join(run_dir, "config.yaml")
     job = build_job(cfg, config_path, workdir, sys.executable, resume)
     script = render_job(job)

@@ -1,10 +1,35 @@
 """The run configuration (torch-free: `accum-sched check` runs on login nodes). The keys are declared in
 sections.py; schema.py validates against them; reference.py prints the table in docs/cli.md."""
-from launcher.config.schema import (FSDP_SCHEMA, LR_SCHEDULERS, OPTIMIZERS, REQUIRED, SCHEMA, Config, Field, Section,
-                                    apply_overrides, dump, load_config, read_yaml, validate, write_resolved)
-from launcher.config.sections import (AccumulationConfig, CheckpointConfig, DataConfig, DistributedConfig, EvalConfig,
-                                      FSDPConfig, LoggingConfig, LRSchedulerConfig, OptimizerConfig, RunConfig,
-                                      SlurmConfig, TaskConfig)
+from launcher.config.schema import (
+                                    FSDP_SCHEMA,
+                                    LR_SCHEDULERS,
+                                    OPTIMIZERS,
+                                    REQUIRED,
+                                    SCHEMA,
+                                    Config,
+                                    Field,
+                                    Section,
+                                    apply_overrides,
+                                    dump,
+                                    load_config,
+                                    read_yaml,
+                                    validate,
+                                    write_resolved,
+)
+from launcher.config.sections import (
+                                    AccumulationConfig,
+                                    CheckpointConfig,
+                                    DataConfig,
+                                    DistributedConfig,
+                                    EvalConfig,
+                                    FSDPConfig,
+                                    LoggingConfig,
+                                    LRSchedulerConfig,
+                                    OptimizerConfig,
+                                    RunConfig,
+                                    SlurmConfig,
+                                    TaskConfig,
+)
 from launcher.errors import ConfigError
 
 __all__ = ["FSDP_SCHEMA", "LR_SCHEDULERS", "OPTIMIZERS", "REQUIRED", "SCHEMA", "AccumulationConfig", "CheckpointConfig",

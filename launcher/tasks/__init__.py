@@ -20,8 +20,9 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from launcher.errors import ConfigError
 

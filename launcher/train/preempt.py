@@ -20,7 +20,7 @@ import logging
 import os
 import signal
 import subprocess
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger("accum_sched.preempt")
 
