@@ -91,31 +91,11 @@ def _train_ds(case, rank: int, stage: int, *, config: dict | None = None, client
             if seen is not None:
                 seen.update(epoch=epoch, i=0)
             engine.train_epoch(cases.rank_batches(case, rank, epoch), loss_fn, epoch)
-    return {"state": consolidated_state_dict(ds_engine, rank0_only=False), "local": local_weights(ds_engine),
-            "optimizer": type(ds_engine.optimizer).__name__,
+    return {"state": consolidated_state_dict(ds_engine, rank0_only=False),
+            "local": cases.deepspeed_local_weights(ds_engine), "optimizer": type(ds_engine.optimizer).__name__,
             "steps": [s.to_dict() for s in steps], "counters": engine.counters(), "collectives": collectives,
             "ds": {"global_steps": ds_engine.global_steps, "global_samples": ds_engine.global_samples,
                    "gas": ds_engine.gradient_accumulation_steps(), "train_batch_size": ds_engine.train_batch_size()}}
-
-
-def local_weights(ds_engine) -> dict:
-    """This rank's own working weights, without a collective: name -> (flat values, offset into the flattened full
-    parameter). Full parameters at ZeRO 0-2 (offset 0); at ZeRO 3 the partition this rank holds."""
-    out = {}
-    for name, param in ds_engine.module.named_parameters():
-        if hasattr(param, "ds_tensor"):  # ZeRO 3: a padded partition of the flattened parameter
-            part = param.ds_tensor.detach().reshape(-1)
-            start = part.numel() * collective_rank()
-            out[name] = (part[:max(0, min(part.numel(), param.ds_numel - start))].float().clone(), start)
-        else:
-            out[name] = (param.detach().reshape(-1).float().clone(), 0)
-    return out
-
-
-def collective_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank()
 
 
 def _deepspeed_own_accumulation(case, rank: int) -> dict:
