@@ -11,7 +11,8 @@
   methods (what ``torch.distributed``'s functions, DDP comm hooks and FSDP2 call), the functional collectives
   (DTensor's), and, through a dispatch mode, the ``c10d`` ops that C++ launches itself (DDP's default hook, its
   bucket rebuild). The outermost counted call is the one recorded; the layers beneath it are its inner half.
-  Calls launched on another thread (none on CPU/gloo here) are not seen.
+  The dispatch mode is thread-local (autograd's threads inherit it): an op C++ launches from a thread of its own,
+  outside any Python layer, would not be seen (none does on CPU/gloo).
 """
 from __future__ import annotations
 
