@@ -258,7 +258,7 @@ def assert_every_rank_close(ranks: list[dict], key: str, want: dict, what: str, 
         for name, (values, start) in run["local"].items():
             expected = want[name].reshape(-1)[start:start + values.numel()]
             torch.testing.assert_close(values, expected, atol=tol.get("atol", 1e-6), rtol=tol.get("rtol", 1e-5),
-                                       msg=lambda m: f"{what}, rank {rank}'s own {name}: {m}")
+                                       msg=lambda m, r=rank, n=name: f"{what}, rank {r}'s own {n}: {m}")
             mine, first = values, ranks[0][key]["local"][name][0]
             if start == 0 and ranks[0][key]["local"][name][1] == 0:  # full weights on both: one model
                 assert torch.equal(mine, first), (what, rank, name)
