@@ -215,3 +215,20 @@ def launcher_shards(dataset, world: int, micro: int, epoch: int, seed: int = 0) 
         idx = list(sampler)
         shards.append([idx[i:i + micro] for i in range(0, len(idx), micro)])
     return shards
+
+
+def deepspeed_local_weights(ds_engine) -> dict:
+    """This rank's own working weights of a DeepSpeed engine, without a collective: name -> (flat values, offset into
+    the flattened full parameter). Full parameters at ZeRO 0-2 (offset 0); at ZeRO 3 the partition this rank holds
+    (consolidated state dicts are gathered, so they cannot show one rank's weights going astray)."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, param in ds_engine.module.named_parameters():
+        if hasattr(param, "ds_tensor"):  # ZeRO 3: a padded partition of the flattened parameter
+            part = param.ds_tensor.detach().reshape(-1)
+            start = part.numel() * dist.get_rank()
+            out[name] = (part[:max(0, min(part.numel(), param.ds_numel - start))].float().clone(), start)
+        else:
+            out[name] = (param.detach().reshape(-1).float().clone(), 0)
+    return out

@@ -1,7 +1,9 @@
 """DeepSpeed back end: ZeRO 0-3 runs equal the plain-torch large-batch reference and the DDP back end.
 
-One launch of 2 real gloo processes (DeepSpeed's CPU accelerator) trains every run below and saves what rank 0 sees;
-the tests then compare. DeepSpeed start-up is slow, so everything shares that one launch.
+One launch of 2 real gloo processes (DeepSpeed's CPU accelerator) trains every run below; each rank saves what it
+sees (the consolidated state and its own working weights: full ones, or its ZeRO 3 partition), and the tests compare
+every rank with the reference and the ranks with each other. DeepSpeed start-up is slow, so everything shares that
+one launch.
 
 Tolerance: atol 1e-6 / rtol 1e-5 on float32 parameters, as for DDP. What remains is reduction order: ZeRO 2/3
 average every micro-batch's gradient into the partition while the reference sums one large batch; the measured gap
@@ -21,8 +23,8 @@ import torch
 
 import cases
 from accum_sched import AccumulationSchedule, window_stats
+from counters import CollectiveCounter
 from distributed import spawn
-from test_perf_counts import CollectiveCounter
 
 if importlib.util.find_spec("deepspeed") is None:  # not imported here: the fixture sets DS_ACCELERATOR first
     pytest.skip("deepspeed is not installed (pip install -e .[deepspeed])", allow_module_level=True)
@@ -80,8 +82,8 @@ def _train_ds(case, rank: int, stage: int, *, config: dict | None = None, client
     steps, collectives = [], []
     engine.on_step(steps.append)
     loss_fn, seen = _nan_loss(cases.loss_fn_for(case.kind), rank) if nan else (cases.loss_fn_for(case.kind), None)
-    # count: every torch.distributed collective launched while training, listed per optimizer step (an
-    # independent count, test_perf_counts.CollectiveCounter)
+    # count: every collective launched while training, listed per optimizer step (the tests' own count,
+    # tests/counters.py)
     with CollectiveCounter() if count else contextlib.nullcontext() as counter:
         if counter is not None:
             engine.on_step(lambda info: collectives.append(counter.calls[sum(map(len, collectives)):]))
@@ -89,7 +91,8 @@ def _train_ds(case, rank: int, stage: int, *, config: dict | None = None, client
             if seen is not None:
                 seen.update(epoch=epoch, i=0)
             engine.train_epoch(cases.rank_batches(case, rank, epoch), loss_fn, epoch)
-    return {"state": consolidated_state_dict(ds_engine), "optimizer": type(ds_engine.optimizer).__name__,
+    return {"state": consolidated_state_dict(ds_engine, rank0_only=False),
+            "local": cases.deepspeed_local_weights(ds_engine), "optimizer": type(ds_engine.optimizer).__name__,
             "steps": [s.to_dict() for s in steps], "counters": engine.counters(), "collectives": collectives,
             "ds": {"global_steps": ds_engine.global_steps, "global_samples": ds_engine.global_samples,
                    "gas": ds_engine.gradient_accumulation_steps(), "train_batch_size": ds_engine.train_batch_size()}}
@@ -194,19 +197,19 @@ def _worker(rank: int, world: int, out: str) -> None:
             for stage in (0, 2, 3):
                 runs[f"z{stage}/{unit}-keyed"] = _train_ds(keyed, rank, stage, clip=case.clip, lr_coupling=coupling)
         runs["guard"] = _guard_checks(rank)
-    if rank == 0:
-        torch.save(runs, os.path.join(out, "runs.pt"))
+    torch.save(runs, os.path.join(out, f"runs-{rank}.pt"))
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def ranks(tmp_path_factory) -> list[dict]:
+    """Every rank's runs, indexed by rank."""
     from accum_sched.backends.deepspeed import ensure_torch_extensions_dir
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     ensure_torch_extensions_dir()  # DeepSpeed JIT-compiles a shared-memory op on first use; cache it across runs
     out = tmp_path_factory.mktemp("deepspeed")
     spawn(_worker, WORLD, str(out))
-    return torch.load(out / "runs.pt", weights_only=False)
+    return [torch.load(out / f"runs-{rank}.pt", weights_only=False) for rank in range(WORLD)]
 
 
 def reference(case, *, optimizer=None, scheduler=None, skip=()) -> dict:
@@ -245,126 +248,164 @@ def assert_params_close(got: dict, want: dict, what: str, atol=1e-6, rtol=1e-5) 
     return gap
 
 
+def assert_every_rank_close(ranks: list[dict], key: str, want: dict, what: str, **tol) -> None:
+    """Every rank's consolidated state and its own working weights (full, or its ZeRO 3 partition) equal ``want``;
+    full working weights are bitwise the same on every rank."""
+    for rank, runs in enumerate(ranks):
+        run = runs[key]
+        assert_params_close(run["state"], want, f"{what}, rank {rank}", **tol)
+        assert run["local"] and set(run["local"]) <= set(want), (what, rank, list(run["local"]))
+        for name, (values, start) in run["local"].items():
+            expected = want[name].reshape(-1)[start:start + values.numel()]
+            torch.testing.assert_close(values, expected, atol=tol.get("atol", 1e-6), rtol=tol.get("rtol", 1e-5),
+                                       msg=lambda m, r=rank, n=name: f"{what}, rank {r}'s own {n}: {m}")
+            mine, first = values, ranks[0][key]["local"][name][0]
+            if start == 0 and ranks[0][key]["local"][name][1] == 0:  # full weights on both: one model
+                assert torch.equal(mine, first), (what, rank, name)
+
+
 def _moved(case, state) -> float:
     start = cases.make_model(case).state_dict()
     return max((state[k] - start[k]).abs().max().item() for k in start)
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_zero_stage_equals_reference_and_ddp(runs, stage):
+def test_zero_stage_equals_reference_and_ddp(ranks, stage):
     expected_optimizer = {0: "SGD", 1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimizer",
                           3: "DeepSpeedZeroOptimizer_Stage3"}[stage]
     for name in EXACT_CASES:
-        case, run = BY_NAME[name], runs[f"z{stage}/{name}"]
-        if name == "sgd-changing-partial":
-            assert run["optimizer"] == expected_optimizer
+        case = BY_NAME[name]
         ref = reference(case)
         assert _moved(case, ref["state"]) > 1e-2  # training moved the reference
-        assert_params_close(run["state"], ref["state"], f"ZeRO {stage} {name} vs reference")
-        assert_params_close(run["state"], runs[f"ddp/{name}"]["state"], f"ZeRO {stage} {name} vs DDP")
+        assert_every_rank_close(ranks, f"z{stage}/{name}", ref["state"], f"ZeRO {stage} {name} vs reference")
+        for rank, runs in enumerate(ranks):
+            run = runs[f"z{stage}/{name}"]
+            if name == "sgd-changing-partial":
+                assert run["optimizer"] == expected_optimizer
+            assert_params_close(runs[f"ddp/{name}"]["state"], ref["state"], f"DDP {name}, rank {rank}")
+            assert_params_close(run["state"], runs[f"ddp/{name}"]["state"], f"ZeRO {stage} {name} vs DDP, rank {rank}")
 
-        # DeepSpeed's own bookkeeping tells the truth: one optimizer step per window, real samples, current factor
-        steps, counters, ds = run["steps"], run["counters"], run["ds"]
-        schedule = AccumulationSchedule(case.schedule)
-        last_factor = schedule.factor(case.epochs - 1)
-        assert ds["global_steps"] == counters["optimizer_steps"] == len(steps)
-        assert ds["global_samples"] == counters["samples"] == sum(s["samples"] for s in steps)
-        assert ds["gas"] == last_factor and ds["train_batch_size"] == case.micro * last_factor * WORLD
-        assert [s["factor"] for s in steps] == [schedule.factor(s["epoch"]) for s in steps]
-        assert any(s["micro_batches"] < s["factor"] for s in steps)  # partial windows were exercised
+            # DeepSpeed's own bookkeeping tells the truth: one optimizer step per window, real samples, current factor
+            steps, counters, ds = run["steps"], run["counters"], run["ds"]
+            schedule = AccumulationSchedule(case.schedule)
+            last_factor = schedule.factor(case.epochs - 1)
+            assert ds["global_steps"] == counters["optimizer_steps"] == len(steps)
+            assert ds["global_samples"] == counters["samples"] == sum(s["samples"] for s in steps)
+            assert ds["gas"] == last_factor and ds["train_batch_size"] == case.micro * last_factor * WORLD
+            assert [s["factor"] for s in steps] == [schedule.factor(s["epoch"]) for s in steps]
+            assert any(s["micro_batches"] < s["factor"] for s in steps)  # partial windows were exercised
+            assert steps == ranks[0][f"z{stage}/{name}"]["steps"], (stage, name, rank)  # the same steps everywhere
 
 
 @pytest.mark.parametrize("stage", (0, 2))
-def test_small_collectives_per_step(runs, stage):
+def test_small_collectives_per_step(ranks, stage):
     """No ZeRO: the window's numbers ride in DeepSpeed's own gradient all-reduce, so a step has no small collective
     (one at an epoch start: the agreement). ZeRO 2: one small all-reduce of ours per step, holding the numbers and
     the partition's squared norm together (clipping wants the norm)."""
     case = dataclasses.replace(BY_NAME["sgd-changing-partial"], clip=COUNTED_CLIP)
-    run = runs[f"z{stage}/counted"]
-    assert_params_close(run["state"], reference(case)["state"], f"ZeRO {stage} counted")
-    steps = run["steps"]
-    assert len(run["collectives"]) == len(steps) > 0
-    for i, (step, calls) in enumerate(zip(steps, run["collectives"])):
-        epoch_start = i == 0 or steps[i - 1]["epoch"] != step["epoch"]
-        small = [c for c in calls if c[1] <= 64]
-        numbers = [c for c in small if c[1] in (window_stats.SIZE, window_stats.SIZE + 1)]  # with the norm or not
-        assert len(numbers) == int(stage != 0), (stage, i, calls)
-        if stage == 0:  # DeepSpeed's ZeRO 2 adds small collectives of its own (its overflow flag), alone as well
-            assert len(small) == int(epoch_start), (stage, i, calls)
-        assert any(n > 64 for _, n in calls), (stage, i, calls)  # the gradients' own collectives were seen
+    assert_every_rank_close(ranks, f"z{stage}/counted", reference(case)["state"], f"ZeRO {stage} counted")
+    for rank, runs in enumerate(ranks):
+        run = runs[f"z{stage}/counted"]
+        steps = run["steps"]
+        assert len(run["collectives"]) == len(steps) > 0
+        for i, (step, calls) in enumerate(zip(steps, run["collectives"])):
+            epoch_start = i == 0 or steps[i - 1]["epoch"] != step["epoch"]
+            small = [c for c in calls if c[1] <= 64]
+            numbers = [c for c in small if c[1] in (window_stats.SIZE, window_stats.SIZE + 1)]  # with the norm or not
+            assert len(numbers) == int(stage != 0), (stage, rank, i, calls)
+            if stage == 0:  # DeepSpeed's ZeRO 2 adds small collectives of its own (its overflow flag), alone as well
+                assert len(small) == int(epoch_start), (stage, rank, i, calls)
+            assert any(n > 64 for _, n in calls), (stage, rank, i, calls)  # the gradients' own collectives were seen
 
 
-def test_deepspeed_gradient_clipping_acts_on_the_normalised_gradient(runs):
+def test_deepspeed_gradient_clipping_acts_on_the_normalised_gradient(ranks):
     case = BY_NAME["adamw-clip"]
-    assert_params_close(runs["z2/ds-clipping"]["state"], reference(case)["state"], "gradient_clipping in the JSON")
+    assert_every_rank_close(ranks, "z2/ds-clipping", reference(case)["state"], "gradient_clipping in the JSON")
 
 
-def test_deepspeed_json_optimizer_and_scheduler(runs):
+def test_deepspeed_json_optimizer_and_scheduler(ranks):
     from deepspeed.runtime.lr_schedules import WarmupLR
 
-    case, run = BY_NAME["sgd-changing-partial"], runs["z1/ds-optimizer"]
-    assert run["optimizer"] == "DeepSpeedZeroOptimizer"
+    case = BY_NAME["sgd-changing-partial"]
     ref = reference(case, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.01),
                     scheduler=lambda o: WarmupLR(o, **DS_SCHED["params"]))
-    assert [s["lr"] for s in run["steps"]] == pytest.approx(ref["lrs"], rel=1e-12)  # stepped once per window
     assert len(set(ref["lrs"])) > 3
-    assert_params_close(run["state"], ref["state"], "DeepSpeed optimizer + scheduler")
+    for runs in ranks:
+        run = runs["z1/ds-optimizer"]
+        assert run["optimizer"] == "DeepSpeedZeroOptimizer"
+        assert [s["lr"] for s in run["steps"]] == pytest.approx(ref["lrs"], rel=1e-12)  # stepped once per window
+    assert_every_rank_close(ranks, "z1/ds-optimizer", ref["state"], "DeepSpeed optimizer + scheduler")
 
 
 @pytest.mark.parametrize("stage", (0, 2, 3))
-def test_nonfinite_window_is_skipped_on_every_rank(runs, stage):
-    case, run = BY_NAME["sgd-changing-partial"], runs[f"z{stage}/nan"]
-    skipped = [s for s in run["steps"] if s["skipped"]]
-    assert [(s["epoch"], s["step"]) for s in skipped] == [(0, 2)]  # micro-batch 1 of epoch 0 = window 1 (factor 1)
-    assert run["ds"]["global_steps"] == len(run["steps"])
-    assert_params_close(run["state"], reference(case, skip={(0, 1)})["state"], f"ZeRO {stage} skip")
+def test_nonfinite_window_is_skipped_on_every_rank(ranks, stage):
+    case = BY_NAME["sgd-changing-partial"]
+    for runs in ranks:  # the NaN is rank 1's alone; every rank skips the same step
+        run = runs[f"z{stage}/nan"]
+        skipped = [s for s in run["steps"] if s["skipped"]]
+        assert [(s["epoch"], s["step"]) for s in skipped] == [(0, 2)]  # micro-batch 1 of epoch 0 = window 1 (factor 1)
+        assert run["ds"]["global_steps"] == len(run["steps"])
+    assert_every_rank_close(ranks, f"z{stage}/nan", reference(case, skip={(0, 1)})["state"], f"ZeRO {stage} skip")
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_bf16_sanity(runs, stage):
+def test_bf16_sanity(ranks, stage):
     """bf16 weights and bf16 compute cannot be exact; they must stay near the fp32 reference (1% of the movement)."""
-    case, run = BY_NAME["sgd-changing-partial"], runs[f"z{stage}/bf16"]
-    assert run["optimizer"] == {0: "FP16_UnfusedOptimizer", 1: "BF16_Optimizer", 2: "DeepSpeedZeroOptimizer",
-                                3: "DeepSpeedZeroOptimizer_Stage3"}[stage]
+    case = BY_NAME["sgd-changing-partial"]
     ref = reference(case)["state"]
     moved = _moved(case, ref)
-    gap = max((run["state"][k] - ref[k]).abs().max().item() for k in ref)
-    assert all(v.dtype == torch.float32 for v in run["state"].values())
-    assert gap < 0.02 * moved, (gap, moved)
+    for rank, runs in enumerate(ranks):
+        run = runs[f"z{stage}/bf16"]
+        assert run["optimizer"] == {0: "FP16_UnfusedOptimizer", 1: "BF16_Optimizer", 2: "DeepSpeedZeroOptimizer",
+                                    3: "DeepSpeedZeroOptimizer_Stage3"}[stage]
+        gap = max((run["state"][k] - ref[k]).abs().max().item() for k in ref)
+        assert all(v.dtype == torch.float32 for v in run["state"].values())
+        assert gap < 0.02 * moved, (rank, gap, moved)
+        for name, (values, start) in run["local"].items():  # this rank's own (bf16) weights, near the fp32 ones
+            local_gap = (values - ref[name].reshape(-1)[start:start + values.numel()]).abs().max().item()
+            assert local_gap < 0.02 * moved, (rank, name, local_gap, moved)
 
 
-def test_lr_coupling_equals_ddp(runs):
+def test_lr_coupling_equals_ddp(ranks):
     case = BY_NAME["sgd-changing-partial"]
-    got, want = runs["z2/lr-coupling"], runs["ddp/lr-coupling"]["state"]
-    assert [s["lr"] for s in got["steps"]] == [case.lr * s["factor"] for s in got["steps"]]
+    want = ranks[0]["ddp/lr-coupling"]["state"]
     assert max((want[k] - reference(case)["state"][k]).abs().max().item() for k in want) > 1e-3  # coupling acted
-    assert_params_close(got["state"], want, "LR coupling, ZeRO 2 vs DDP")
+    for rank, runs in enumerate(ranks):
+        got = runs["z2/lr-coupling"]
+        assert [s["lr"] for s in got["steps"]] == [case.lr * s["factor"] for s in got["steps"]]
+        for k in want:  # DDP: one model on every rank
+            assert torch.equal(runs["ddp/lr-coupling"]["state"][k], want[k]), (rank, k)
+    assert_every_rank_close(ranks, "z2/lr-coupling", want, "LR coupling, ZeRO 2 vs DDP")
 
 
-def test_deepspeed_own_accumulation_is_not_exact(runs):
+def test_deepspeed_own_accumulation_is_not_exact(ranks):
     """The comparison can fail: DeepSpeed's own boundaries and per-micro-batch means miss the reference."""
     case = BY_NAME["sgd-changing-partial"]
     ref = reference(case)["state"]
-    got = runs["negative/ds-own-accumulation"]["state"]
-    assert max((got[k] - ref[k]).abs().max().item() for k in ref) > 1e-3
+    for runs in ranks:
+        got = runs["negative/ds-own-accumulation"]["state"]
+        assert max((got[k] - ref[k]).abs().max().item() for k in ref) > 1e-3
 
 
 @pytest.mark.parametrize("stage", (0, 2, 3))
 @pytest.mark.parametrize("unit_case", cases.UNIT_CASES[:2], ids=lambda c: c[1])
-def test_step_and_token_keyed_schedules_equal_reference(runs, stage, unit_case):
+def test_step_and_token_keyed_schedules_equal_reference(ranks, stage, unit_case):
     case, unit, coupling = unit_case
-    run = runs[f"z{stage}/{unit}-keyed"]
-    assert len({s["factor"] for s in run["steps"]}) > 1  # the factor really changed
-    assert any(s["factor"] != t["factor"] and s["epoch"] == t["epoch"] for s, t in zip(run["steps"], run["steps"][1:]))
+    for runs in ranks:
+        run = runs[f"z{stage}/{unit}-keyed"]
+        assert len({s["factor"] for s in run["steps"]}) > 1  # the factor really changed
+        assert any(s["factor"] != t["factor"] and s["epoch"] == t["epoch"]
+                   for s, t in zip(run["steps"], run["steps"][1:]))
     ref = cases.reference_units(case, unit, coupling, WORLD)
-    assert_params_close(run["state"], ref.state_dict(), f"ZeRO {stage} {unit}-keyed")
+    assert_every_rank_close(ranks, f"z{stage}/{unit}-keyed", ref.state_dict(), f"ZeRO {stage} {unit}-keyed")
 
 
-def test_changed_deepspeed_internals_stop_with_one_line_naming_the_version(runs):
-    guard = runs["guard"]
-    for what in ("attribute", "shape"):
-        message = guard[what]
-        assert message is not None, f"a changed {what} went unnoticed"
-        assert "\n" not in message and message.startswith(f"DeepSpeed {guard['version']}: "), message
-    assert "averaged_gradients" in guard["attribute"]
-    assert "single_partition_of_fp32_groups" in guard["shape"] and guard["steps_before_shape_error"] == 0
+def test_changed_deepspeed_internals_stop_with_one_line_naming_the_version(ranks):
+    for rank, runs in enumerate(ranks):
+        guard = runs["guard"]
+        for what in ("attribute", "shape"):
+            message = guard[what]
+            assert message is not None, f"a changed {what} went unnoticed on rank {rank}"
+            assert "\n" not in message and message.startswith(f"DeepSpeed {guard['version']}: "), message
+        assert "averaged_gradients" in guard["attribute"]
+        assert "single_partition_of_fp32_groups" in guard["shape"] and guard["steps_before_shape_error"] == 0

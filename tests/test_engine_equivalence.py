@@ -1,4 +1,5 @@
-"""The engine equals a plain-torch large-batch reference, at world sizes 1, 2 and 3 (real gloo process groups)."""
+"""The engine equals a plain-torch large-batch reference on every rank, at world sizes 1, 2 and 3 (real gloo process
+groups)."""
 from __future__ import annotations
 
 import os
@@ -16,23 +17,28 @@ def _train_all(rank: int, world: int, out_dir: str) -> None:
         warnings.simplefilter("ignore")
         for case in cases.CASES:
             model, engine = cases.run_engine(case, rank, world)
-            if rank == 0:
-                torch.save({"params": cases.params(model), "counters": engine.counters()},
-                           os.path.join(out_dir, f"{case.name}.pt"))
+            torch.save({"params": cases.params(model), "counters": engine.counters()},
+                       os.path.join(out_dir, f"{case.name}-{rank}.pt"))
 
 
 def _check(out_dir: str, world: int) -> None:
+    """Every rank equals the reference, and the ranks hold one model (bitwise) and the same counters."""
     for case in cases.CASES:
-        got = torch.load(os.path.join(out_dir, f"{case.name}.pt"))
         ref = cases.params(cases.reference(case, world))
         start = cases.params(cases.make_model(case))
         assert any(not torch.equal(r, s) for r, s in zip(ref, start)), case.name  # training moved the reference
-        for g, r in zip(got["params"], ref):
-            torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5, msg=lambda m: f"{case.name} (world {world}): {m}")
-        counters = got["counters"]
-        if world > 1:
-            # exactly one gradient all-reduce round per optimizer step (counted by the DDP comm hook)
-            assert counters["allreduce_rounds"] == counters["optimizer_steps"], (case.name, counters)
+        per_rank = [torch.load(os.path.join(out_dir, f"{case.name}-{rank}.pt")) for rank in range(world)]
+        for rank, got in enumerate(per_rank):
+            what = f"{case.name} (rank {rank} of {world})"
+            for g, r in zip(got["params"], ref, strict=True):
+                torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5, msg=lambda m, what=what: f"{what}: {m}")
+            for g, first in zip(got["params"], per_rank[0]["params"], strict=True):
+                assert torch.equal(g, first), f"{what}: differs from rank 0"
+            counters = got["counters"]
+            assert counters == per_rank[0]["counters"], (what, counters, per_rank[0]["counters"])
+            if world > 1:
+                # exactly one gradient all-reduce round per optimizer step (counted by the DDP comm hook)
+                assert counters["allreduce_rounds"] == counters["optimizer_steps"], (what, counters)
 
 
 @pytest.mark.parametrize("world", [2, 3])

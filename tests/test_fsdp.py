@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import cases
+from counters import CollectiveCounter
 from distributed import attempt, spawn
 
 BY_NAME = {c.name: c for c in cases.CASES}
@@ -101,16 +102,35 @@ def train(case, rank: int, mode: str, model=None, batches=None, nan_at=None, opt
     steps = []
     engine.on_step(steps.append)
     loss_fn = cases.loss_fn_for(case.kind)
-    for epoch in range(case.epochs):
-        data = batches(rank, epoch) if batches else cases.rank_batches(case, rank, epoch)
-        for i, batch in enumerate(engine.micro_batches(data, epoch)):
-            loss, n = loss_fn(model, batch)
-            if nan_at == (rank, epoch, i):
-                loss = loss * float("nan")
-            engine.backward(loss, n)
+    # the collectives of every micro-batch, counted by the test (tests/counters.py): its forward, its backward, and
+    # what follows until the next micro-batch (the window's end)
+    micro, counted = [], CollectiveCounter()
+    with counted:
+        for epoch in range(case.epochs):
+            data = batches(rank, epoch) if batches else cases.rank_batches(case, rank, epoch)
+            for i, batch in enumerate(engine.micro_batches(data, epoch)):
+                marks = [len(counted.calls)]
+                loss, n = loss_fn(model, batch)
+                if nan_at == (rank, epoch, i):
+                    loss = loss * float("nan")
+                marks.append(len(counted.calls))
+                engine.backward(loss, n)
+                marks.append(len(counted.calls))
+                micro.append({"epoch": epoch, "index": i, "marks": marks})
+    calls = [list(c) for c in counted.calls]
+    for m, following in zip(micro, micro[1:] + [None]):
+        start, forward_end, backward_end = m["marks"]
+        end = len(calls) if following is None else following["marks"][0]
+        m.update(forward=calls[start:forward_end], backward=calls[forward_end:backward_end],
+                 after=calls[backward_end:end])
+    for m in micro:
+        del m["marks"]
     return {"params": full_params(model), "skipped": [s.skipped for s in steps],
             "sharded": sum(isinstance(m, FSDPModule) for m in model.modules()),
-            "rounds": engine.allreduce_rounds, "steps": engine.optimizer_steps, "micro": engine.micro_steps}
+            "groups": sum(isinstance(m, FSDPModule) and any(True for _ in m.parameters(recurse=False))
+                          for m in model.modules()),
+            "rounds": engine.allreduce_rounds, "steps": engine.optimizer_steps, "micro": engine.micro_steps,
+            "micro_batches": micro}
 
 
 def _worker(rank: int, world: int, out: str) -> None:
@@ -168,12 +188,50 @@ def test_every_rank_equals_large_batch_reference(launched, mode):
         assert_params(runs[f"{mode}/tiny"]["params"], tiny_reference(world), f"{mode}/Linear(5,1) rank {rank}")
 
 
+def _boundaries(micro: list[dict], schedule) -> list[bool]:
+    """Whether each micro-batch closes its window, from the schedule and how many micro-batches each epoch had."""
+    from accum_sched import AccumulationSchedule
+
+    schedule = AccumulationSchedule(schedule)
+    total = {}
+    for m in micro:
+        total[m["epoch"]] = total.get(m["epoch"], 0) + 1
+    return [(m["index"] + 1) % schedule.factor(m["epoch"]) == 0 or m["index"] == total[m["epoch"]] - 1 for m in micro]
+
+
+def _names(calls, name):
+    return [c for c in calls if c[0] == name]
+
+
 def test_reduce_scatter_rounds_follow_the_sync_mode(launched):
+    """Counted by the test around torch.distributed (tests/counters.py), on every rank: boundary mode reduce-scatters
+    each parameter group once, in the backward of a window's last micro-batch only; every_micro_batch in every
+    backward. Both gather the parameters alike, and the engine adds one small all-reduce per window."""
     _, ranks = launched
-    for runs in ranks:
-        for name in EXACT:
+    runs_to_check = [(name, BY_NAME[name]) for name in EXACT] + [("tiny", TINY)]
+    for rank, runs in enumerate(ranks):
+        for name, case in runs_to_check:
             boundary, every = runs[f"boundary/{name}"], runs[f"every_micro_batch/{name}"]
-            assert boundary["rounds"] == boundary["steps"] < every["rounds"] == every["micro"], name
+            closes = _boundaries(boundary["micro_batches"], case.schedule)
+            assert len(every["micro_batches"]) == len(closes) == boundary["micro"] > boundary["steps"] == sum(closes)
+            groups = boundary["groups"]
+            assert groups == every["groups"] >= 1, (name, groups)
+            for mode, run in (("boundary", boundary), ("every_micro_batch", every)):
+                for m, last in zip(run["micro_batches"], closes):
+                    where = (rank, mode, name, m["epoch"], m["index"])
+                    scatters = _names(m["backward"], "reduce_scatter")
+                    assert len(scatters) == (groups if last or mode == "every_micro_batch" else 0), (where, m)
+                    assert not _names(m["forward"] + m["after"], "reduce_scatter"), (where, m)
+                    small = [c for c in _names(m["forward"] + m["backward"] + m["after"], "all_reduce") if c[1] <= 64]
+                    epoch_end = m is not run["micro_batches"][-1] and m["index"] == max(
+                        x["index"] for x in run["micro_batches"] if x["epoch"] == m["epoch"])
+                    assert len(small) == int(last) + int(epoch_end), (where, m)  # + the next epoch's agreement
+                # the engine's own counter agrees with the count
+                assert run["rounds"] == sum(bool(_names(m["backward"], "reduce_scatter")) for m in run["micro_batches"])
+            for b, e in zip(boundary["micro_batches"], every["micro_batches"]):  # gathering does not change
+                assert _names(b["forward"] + b["backward"], "all_gather") == _names(e["forward"] + e["backward"],
+                                                                                    "all_gather"), (rank, name, b, e)
+                assert _names(b["forward"], "all_gather"), (rank, name, b)
 
 
 def test_nonfinite_is_agreed_by_every_rank(launched):

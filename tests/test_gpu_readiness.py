@@ -122,7 +122,8 @@ def _train_fp16(rank: int, stage: int, power: int, prescale: bool) -> dict:
 
     for epoch in range(case.epochs):
         engine.train_epoch(cases.rank_batches(case, rank, epoch), loss_fn, epoch)
-    return {"state": consolidated_state_dict(ds), "scale": float(ds_opt.loss_scale), "skipped": engine.skipped_steps,
+    return {"state": consolidated_state_dict(ds, rank0_only=False), "local": cases.deepspeed_local_weights(ds),
+            "scale": float(ds_opt.loss_scale), "skipped": engine.skipped_steps,
             "scaler": getattr(engine.backend, "scaler", None) is not None}
 
 
@@ -145,8 +146,7 @@ def _fp16_worker(rank: int, world: int, out: str) -> None:
         for prescale in (True, False):  # a scale that must back off: by how much
             runs[f"z2/backoff/{prescale}"] = _train_fp16(rank, 2, power=20, prescale=prescale)
         runs["z0/refused"] = attempt(lambda: _train_fp16(rank, 0, power=10, prescale=True))
-    if rank == 0:
-        torch.save(runs, os.path.join(out, "fp16.pt"))
+    torch.save(runs, os.path.join(out, f"fp16-{rank}.pt"))
 
 
 @pytest.mark.skipif(not HAVE_DS, reason="deepspeed is not installed (pip install -e .[deepspeed])")
@@ -156,22 +156,28 @@ def test_deepspeed_fp16_prescales_exactly_and_keeps_its_loss_scale(tmp_path):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     ensure_torch_extensions_dir()
     spawn(_fp16_worker, 2, str(tmp_path), deadline_s=900)
-    runs = torch.load(tmp_path / "fp16.pt", weights_only=False)
+    ranks = [torch.load(tmp_path / f"fp16-{rank}.pt", weights_only=False) for rank in range(2)]
     want = cases.reference(FP16_CASE, 2).state_dict()
     start = cases.make_model(FP16_CASE).state_dict()
-    for stage in (1, 3):
-        run = runs[f"z{stage}/exact"]
-        assert not run["scaler"] and run["skipped"] == 0, run  # no torch GradScaler next to DeepSpeed's scaler
-        for key in want:
-            moved = (want[key] - start[key]).abs().max().item()
-            gap = (run["state"][key] - want[key]).abs().max().item()
-            # fp16 weights and activations: measured gap <= 6e-4; a wrong window coefficient moves them by ~moved
-            assert gap < 3e-3 and gap < moved / 20, (stage, key, gap, moved)
-    fixed, raw = runs["z2/backoff/True"], runs["z2/backoff/False"]
-    # measured: 16384 vs 2048 and 7 vs 10 skipped steps; the raw window sum is up to 20x the normalised gradient
-    assert fixed["scale"] >= 4 * raw["scale"] and fixed["skipped"] < raw["skipped"], (fixed["scale"], raw["scale"])
-    refused = runs["z0/refused"]["error"]
-    assert refused and "fp16 without ZeRO" in refused[1], refused
+    for rank, runs in enumerate(ranks):  # every rank: the gathered fp32 state and its own fp16 weights (or partition)
+        for stage in (1, 3):
+            run = runs[f"z{stage}/exact"]
+            assert not run["scaler"] and run["skipped"] == 0, run  # no torch GradScaler next to DeepSpeed's scaler
+            for key in want:
+                moved = (want[key] - start[key]).abs().max().item()
+                gap = (run["state"][key] - want[key]).abs().max().item()
+                values, offset = run["local"][key]
+                own = (values - want[key].reshape(-1)[offset:offset + values.numel()]).abs().max().item()
+                # fp16 weights and activations: measured gap <= 6e-4; a wrong window coefficient moves them by ~moved
+                assert max(gap, own) < 3e-3 and max(gap, own) < moved / 20, (rank, stage, key, gap, own, moved)
+        fixed, raw = runs["z2/backoff/True"], runs["z2/backoff/False"]
+        # measured: 16384 vs 2048 and 7 vs 10 skipped steps; the raw window sum is up to 20x the normalised gradient
+        assert fixed["scale"] >= 4 * raw["scale"] and fixed["skipped"] < raw["skipped"], (rank, fixed["scale"],
+                                                                                           raw["scale"])
+        for name in ("z2/backoff/True", "z2/backoff/False"):  # one loss scale and one skip count on every rank
+            assert (runs[name]["scale"], runs[name]["skipped"]) == (ranks[0][name]["scale"], ranks[0][name]["skipped"])
+        refused = runs["z0/refused"]["error"]
+        assert refused and "fp16 without ZeRO" in refused[1], (rank, refused)
 
 
 def check(tmp_path, name: str, ds: dict, precision: str) -> subprocess.CompletedProcess:

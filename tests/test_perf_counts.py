@@ -1,11 +1,16 @@
 """The per-step path costs what a hand-written loop costs, counted without trusting the engine's own counters.
 
-* host syncs: every ``Tensor.item`` / ``tolist`` / ``__float__`` / ``__bool__`` / ``__int__`` called from an
-  ``accum_sched`` frame is counted by wrapping those methods: none per micro-batch, at most one per optimizer step;
-* collectives: ``torch.distributed``'s Python functions are wrapped in the rank processes, so every collective the
-  engine or its DDP comm hook launches is seen with its size. Per optimizer step there must be exactly the DDP
-  buckets (several: a small ``bucket_cap_mb``), whose sizes add up to the model plus the window's numbers carried
-  in one of them, and no small collective; per epoch, the one agreement;
+The engine is built as the launcher's worker builds it (``stop_at="micro_batch"``); the counters are the tests' own
+(tests/counters.py).
+
+* host syncs: every read of a tensor's value into Python made on behalf of ``accum_sched`` (``item``, ``tolist``,
+  ``numpy``, ``cpu``, ``float()``..., also through torch: the GradScaler's, torch.distributed's) is counted: none per
+  micro-batch, at most one per optimizer step, besides the stop flag's read (host memory by design);
+* collectives: every collective launched in the rank processes is seen with its size and group, whichever layer
+  launched it (Python, DDP's C++ reducer). Per optimizer step there must be exactly the DDP buckets (several: a
+  small ``bucket_cap_mb``), whose sizes add up to the model plus the window's numbers carried in one of them, and
+  no small collective on the training group; per epoch, the one agreement; per micro-batch, the stop flag's
+  one-number sum on its side group;
 * every rank's parameters equal the plain-torch large-batch reference (so the multi-bucket norm used for clipping
   and the counts carried in a bucket are right, not merely present).
 """
@@ -13,121 +18,65 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 
 import cases
 from accum_sched import window_stats
+from counters import CollectiveCounter, SyncCounter
 from distributed import attempt, spawn
 
-SYNC_METHODS = ("item", "tolist", "__float__", "__bool__", "__int__")
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "all_gather_object",
-               "broadcast_object_list", "send", "recv", "isend", "irecv")
-# ProcessGroup methods (called on the group: args[0] is the group, args[1] the tensors) -> the collective's name
-PROCESS_GROUP_METHODS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "allgather": "all_gather",
-                         "broadcast": "broadcast", "reduce_scatter": "reduce_scatter", "reduce": "reduce",
-                         "barrier": "barrier", "alltoall_base": "all_to_all"}
 # partial last windows (factor 3 and 5 do not divide 10 micro-batches), clipping: the norm over several buckets
 LAYERS = cases.Case("layers-clip", {0: 1, 1: 3, 2: 5}, epochs=3, samples=(40, 38), kind="layers", clip=0.05,
                     lr=0.02)
 BUCKET_CAP_MB = 0.01  # ~2600 fp32 numbers: the 64x64 layers land in separate buckets (3 after DDP's first round)
 
 
-class SyncCounter:
-    """Counts host-syncing tensor calls made directly from accum_sched code, while installed."""
-
-    def __init__(self):
-        self.calls: list[str] = []
-        self._saved = {}
-
-    def __enter__(self):
-        for name in SYNC_METHODS:
-            original = getattr(torch.Tensor, name)
-            self._saved[name] = original
-
-            def wrapper(tensor, *args, _original=original, _name=name, **kwargs):
-                caller = sys._getframe(1).f_globals.get("__name__", "")
-                if caller.startswith("accum_sched"):
-                    self.calls.append(f"{_name} in {caller}")
-                return _original(tensor, *args, **kwargs)
-
-            setattr(torch.Tensor, name, wrapper)
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self._saved.items():
-            setattr(torch.Tensor, name, original)
+# The stop flag the launcher's engine (stop_at="micro_batch") sums once per micro-batch: a one-number float64 tensor
+# in host memory, all-reduced on a gloo side group, so reading it is no device sync on a GPU either. Its reads and
+# its collectives are told apart by where they come from and which group they run on, and bounded on their own.
+STOP_FLAG_READ = "accum_sched.engine.StopPoll.drain"
 
 
-class CollectiveCounter:
-    """Wraps torch.distributed's Python collectives, and the ProcessGroup methods a comm hook may call directly (as
-    torch's own hooks do): (name, number of elements) of every call, while installed. A ProcessGroup method called
-    from inside torch.distributed is the inner half of a call already counted, and is not counted again."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, int]] = []
-        self._saved = []
-
-    def _wrap(self, owner, name, label, skip_inner):
-        original = getattr(owner, name, None)
-        if original is None:
-            return
-        # restored from the raw attribute: a pybind method read through getattr no longer binds ``self``
-        self._saved.append((owner, name, vars(owner)[name] if isinstance(owner, type) else original))
-
-        def wrapper(*args, **kwargs):
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            if not (skip_inner and caller.startswith("torch.distributed")):
-                tensors = args[1] if skip_inner else (args[0] if args else next(iter(kwargs.values()), None))
-                first = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else tensors
-                self.calls.append((label, first.numel() if isinstance(first, torch.Tensor) else 0))
-            return original(*args, **kwargs)
-
-        setattr(owner, name, wrapper)
-
-    def __enter__(self):
-        import torch.distributed as dist
-
-        for name in COLLECTIVES:
-            self._wrap(dist, name, name, skip_inner=False)
-        for method, label in PROCESS_GROUP_METHODS.items():
-            self._wrap(dist.ProcessGroup, method, label, skip_inner=True)
-        return self
-
-    def __exit__(self, *exc):
-        for owner, name, original in reversed(self._saved):
-            setattr(owner, name, original)
-
-
-def _run_counted(case, rank, world, engine_kwargs, ddp_kwargs):
-    """Train ``case`` with the engine under both counters; per step: (syncs, collectives) since the previous step."""
+def _run_counted(case, rank, world, engine_kwargs, ddp_kwargs, precision="fp32"):
+    """Train ``case`` with the engine built as the launcher's worker builds it (stop_at="micro_batch") under both
+    counters; per step: the syncs and collectives since the previous step."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from accum_sched import AccumulationEngine
 
     model = cases.make_model(case)
     wrapped = DDP(model, **ddp_kwargs) if world > 1 else model
-    engine = AccumulationEngine(wrapped, cases.make_optimizer(case, model), case.schedule,
-                                max_grad_norm=case.clip, **engine_kwargs)
+    engine = AccumulationEngine(wrapped, cases.make_optimizer(case, model), case.schedule, max_grad_norm=case.clip,
+                                stop_at="micro_batch", precision=precision, **engine_kwargs)
     loss_fn = cases.loss_fn_for(case.kind)
     steps = []
     with SyncCounter() as syncs, CollectiveCounter() as colls:
         marks = {"syncs": 0, "colls": 0}
 
         def on_step(info):
-            steps.append({"epoch": info.epoch, "syncs": syncs.calls[marks["syncs"]:],
-                          "colls": colls.calls[marks["colls"]:], "grad_norm": info.grad_norm})
+            steps.append({"epoch": info.epoch, "micro_batches": info.micro_batches,
+                          "syncs": syncs.details[marks["syncs"]:],
+                          "colls": [list(c) + [g] for c, g in zip(colls.calls[marks["colls"]:],
+                                                                  colls.groups[marks["colls"]:])],
+                          "grad_norm": info.grad_norm})
             marks.update(syncs=len(syncs.calls), colls=len(colls.calls))
 
         engine.on_step(on_step)
         for epoch in range(case.epochs):
             engine.train_epoch(cases.rank_batches(case, rank, epoch), loss_fn, epoch)
     params = sum(p.numel() for p in model.parameters())
-    return model, {"steps": steps, "syncs": syncs.calls, "colls": colls.calls, "params": params,
+    return model, {"steps": steps, "syncs": syncs.details, "params": params,
+                   "colls": [list(c) + [g] for c, g in zip(colls.calls, colls.groups)],
                    "micro_batches": engine.micro_steps, "optimizer_steps": engine.optimizer_steps}
+
+
+def device_syncs(syncs: list[dict]) -> list[dict]:
+    """The reads that would wait for a GPU: all but the stop flag's (host memory by design, see STOP_FLAG_READ)."""
+    flag = [s for s in syncs if s["where"] == STOP_FLAG_READ]
+    assert all(s["device"] == "cpu" and s["numel"] == 1 and s["dtype"] == "torch.float64" for s in flag), flag
+    return [s for s in syncs if s["where"] != STOP_FLAG_READ]
 
 
 def _rank_checks(rank: int, world: int, out_dir: str) -> None:
@@ -165,17 +114,29 @@ def _ok(report, name):
     return report[name]["result"]
 
 
-def test_single_process_one_host_sync_per_step_none_per_micro_batch():
+def _single(precision):
     case = cases.Case("single", {0: 1, 1: 3, 2: 4}, epochs=3, samples=(38,), kind="layers", clip=0.05)
-    model, counts = _run_counted(case, 0, 1, {}, {})
+    model, counts = _run_counted(case, 0, 1, {}, {}, precision=precision)
     assert counts["micro_batches"] > counts["optimizer_steps"] > 0
     for step in counts["steps"]:
-        assert len(step["syncs"]) <= 1, step["syncs"]
-    assert len(counts["syncs"]) <= counts["optimizer_steps"], counts["syncs"]
+        assert len(device_syncs(step["syncs"])) <= 1, step["syncs"]
+    assert len(device_syncs(counts["syncs"])) <= counts["optimizer_steps"], counts["syncs"]
     assert counts["colls"] == []  # one process: nothing to sum
+    return case, model
+
+
+def test_single_process_one_host_sync_per_step_none_per_micro_batch():
+    case, model = _single("fp32")
     ref = cases.reference(case, 1)
     for got, want in zip(cases.params(model), cases.params(ref)):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="fp16: GradScaler.get_scale() (the step's loss_scale) and GradScaler.step's found-inf "
+                   ".item() are two device syncs per optimizer step besides the window's numbers")
+def test_single_process_fp16_one_host_sync_per_step():
+    _single("fp16")
 
 
 def test_carrier_grows_a_bucket_that_owns_its_storage_and_copies_one_that_does_not():
@@ -205,19 +166,28 @@ def test_carrier_grows_a_bucket_that_owns_its_storage_and_copies_one_that_does_n
 
 
 def _check_steps(counts, rank):
-    """Per optimizer step: the DDP buckets and nothing else, one host sync; per epoch start: one agreement more."""
+    """Per optimizer step: the DDP buckets and nothing else, one host sync; per epoch start: one agreement more.
+    The stop flag: one read and one one-number all-reduce on another group per micro-batch, nothing more."""
     steps = counts["steps"]
     assert len(steps) == counts["optimizer_steps"] > 0
     for i, step in enumerate(steps):
-        small = [c for c in step["colls"] if c[1] <= 64]
-        big = [c for c in step["colls"] if c[1] > 64]
+        world = [(name, n) for name, n, group in step["colls"] if group == "world"]
+        side = [(name, n) for name, n, group in step["colls"] if group != "world"]
+        small = [c for c in world if c[1] <= 64]
+        big = [c for c in world if c[1] > 64]
         epoch_start = i == 0 or steps[i - 1]["epoch"] != step["epoch"]  # the agreement ran in this interval
-        assert len(small) == int(epoch_start), (rank, i, step["colls"])
+        # DDP's own one-time bucket rebuild after its first round: two broadcasts (the bucket order), no more
+        rebuild = [c for c in small if c[0] == "broadcast"] if i == 1 else []
+        assert len(rebuild) in (0, 2) and len(small) - len(rebuild) == int(epoch_start), (rank, i, step["colls"])
         assert all(name == "all_reduce" for name, _ in big), step["colls"]
-        assert len(step["syncs"]) == 1 + int(epoch_start), (rank, i, step["syncs"])
+        assert len(device_syncs(step["syncs"])) == 1 + int(epoch_start), (rank, i, step["syncs"])
+        assert side == [("all_reduce", 1)] * len(side) and len(side) <= step["micro_batches"] + 1, (rank, i, side)
         assert sum(n for _, n in big) == counts["params"] + window_stats.SIZE, (rank, i, big)  # the model + the window's numbers
         if i > 0:  # DDP's first round reduces one bucket holding everything, then it rebuilds its buckets
             assert len(big) >= 3, (rank, i, big)  # several buckets: the multi-bucket norm and carrier paths run
+    flag_reads = [s for s in counts["syncs"] if s["where"] == STOP_FLAG_READ]
+    flag_sums = [c for c in counts["colls"] if c[2] != "world"]
+    assert len(flag_reads) == len(flag_sums) == counts["micro_batches"], (len(flag_reads), len(flag_sums))
 
 
 def test_ddp_step_has_only_its_buckets_and_one_host_sync(ranks):

@@ -35,20 +35,23 @@ def _train(rank, world, out_dir):
                                         lr_coupling=coupling)
             for epoch in range(case.epochs):
                 engine.train_epoch(cases.rank_batches(case, rank, epoch), cases.loss_fn_for(case.kind), epoch)
-            if rank == 0:
-                factors = sorted({engine.schedule.factor_at(0), engine.factor})
-                torch.save({"params": cases.params(model), "factors": factors, "steps": engine.optimizer_steps},
-                           os.path.join(out_dir, f"{case.name}.pt"))
+            factors = sorted({engine.schedule.factor_at(0), engine.factor})
+            torch.save({"params": cases.params(model), "factors": factors, "steps": engine.optimizer_steps},
+                       os.path.join(out_dir, f"{case.name}-{rank}.pt"))
 
 
 def test_unit_keyed_schedules_match_reference(tmp_path):
     spawn(_train, 2, str(tmp_path))
     for case, unit, coupling in UNIT_CASES:
-        got = torch.load(tmp_path / f"{case.name}.pt")
-        assert got["factors"][0] != got["factors"][-1], case.name  # the factor really changed mid-run
         ref = cases.params(cases.reference_units(case, unit, coupling, 2))
-        for g, r in zip(got["params"], ref):
-            torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5, msg=lambda m: f"{case.name}: {m}")
+        per_rank = [torch.load(tmp_path / f"{case.name}-{rank}.pt") for rank in range(2)]
+        for rank, got in enumerate(per_rank):
+            what = f"{case.name} (rank {rank})"
+            assert got["factors"][0] != got["factors"][-1], what  # the factor really changed mid-run
+            assert (got["factors"], got["steps"]) == (per_rank[0]["factors"], per_rank[0]["steps"]), what
+            for g, r, first in zip(got["params"], ref, per_rank[0]["params"], strict=True):
+                torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5, msg=lambda m, what=what: f"{what}: {m}")
+                assert torch.equal(g, first), f"{what}: differs from rank 0"
 
 
 def brute_steps(schedule, batches, epochs, per_micro):
