@@ -7,7 +7,7 @@ copy to the host, a pageable copy to the device, ...) issue a warning at the Pyt
 trains a small MLP with the engine on one GPU, first in one process, then wrapped in DDP over NCCL in a process
 group of one (so the comm hook that carries the window's numbers inside a gradient bucket runs), records the
 warnings, and counts those raised from accum_sched's files. Exit status 1 if a micro-batch syncs or a step syncs
-more than once. The CPU twin of this check runs in CI: tests/test_perf_counts.py.
+more than once. The CPU twin of this check runs in CI: tests/accum_sched/test_perf_counts.py.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def _model():
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print("gpu_sync_check: no CUDA device here; nothing checked (the CPU count is tests/test_perf_counts.py)")
+        print("gpu_sync_check: no CUDA device here; nothing checked (the CPU count is tests/accum_sched/test_perf_counts.py)")
         return 0
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP

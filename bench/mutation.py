@@ -2,7 +2,7 @@
 
     python bench/mutation.py                # every mutant (bench/mutants.py) against the default subset
     python bench/mutation.py --mutants a c  # some of them
-    python bench/mutation.py --tests tests/test_engine_equivalence.py  # another subset
+    python bench/mutation.py --tests tests/accum_sched/test_engine_equivalence.py  # another subset
     python bench/mutation.py --first-failure  # pytest -x: stop each mutant's run at its first failing test
 
 First the subset runs on the real engine (it must pass, or a failure under a mutant proves nothing). Then, per
@@ -29,11 +29,11 @@ from mutants import MUTANTS
 # fast and to the point: exactness at world 1-3 (rank 0), every rank under a NaN window with partial windows
 # (DDP, FSDP2), lockstep and its disagreements, all-reduce rounds per step, fp16 windows through the launcher
 DEFAULT_TESTS = [
-    "tests/test_engine_equivalence.py",
-    "tests/test_nonfinite.py::test_nan_on_one_rank_is_skipped_on_every_rank",
-    "tests/test_nonfinite.py::test_single_process_nan_in_a_window",
-    "tests/test_engine_lockstep.py",
-    "tests/test_fp16_windows.py",
+    "tests/accum_sched/test_engine_equivalence.py",
+    "tests/accum_sched/test_nonfinite.py::test_nan_on_one_rank_is_skipped_on_every_rank",
+    "tests/accum_sched/test_nonfinite.py::test_single_process_nan_in_a_window",
+    "tests/accum_sched/test_engine_lockstep.py",
+    "tests/launcher/train/test_fp16_windows.py",
 ]
 
 SITECUSTOMIZE = """\

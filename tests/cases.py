@@ -82,7 +82,7 @@ def make_model(case: Case) -> nn.Module:
         return TinyLM()
     if case.kind == "unused":
         return UnusedBranch()
-    if case.kind == "layers":  # several DDP buckets with a small bucket_cap_mb (tests/test_perf_counts.py)
+    if case.kind == "layers":  # several DDP buckets with a small bucket_cap_mb (tests/accum_sched/test_perf_counts.py)
         return nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
                              nn.Linear(64, 2))
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))

@@ -101,7 +101,7 @@ class SyncCounter:
         frame = sys._getframe(2)
         while frame is not None:
             module = frame.f_globals.get("__name__", "")
-            if module != __name__ and not module.split(".")[0] in THROUGH:
+            if module != __name__ and module.split(".")[0] not in THROUGH:
                 return module, frame.f_code.co_qualname
             frame = frame.f_back
         return "", ""

@@ -1,4 +1,5 @@
-"""A user task with a validation set (``eval_tasks:regression``) for tests/test_eval.py and tests/test_fp16_cpu.py.
+"""A user task with a validation set (``eval_tasks:regression``) for tests/launcher/train/test_eval.py and
+tests/launcher/train/test_fp16_cpu.py.
 
 A small MLP regression, optionally with dropout (training draws from the RNG), an odd-sized validation set (so
 shards differ in length and no micro-batch size divides it), a metric, and a validation loss that also draws from
@@ -52,7 +53,7 @@ def metrics_fn(model, batch):
 def regression(samples: int = 96, val_samples: int = 101, dropout: float = 0.0, with_val: bool = True,
                fp16_overflow_at: int = 0):
     """``fp16_overflow_at``: on rank 1, the N-th loss_fn call (1-based) returns its loss times 1e30, so the scaled
-    backward overflows fp16 (tests/test_fp16_cpu.py)."""
+    backward overflows fp16 (tests/launcher/train/test_fp16_cpu.py)."""
     x, y = make_data(samples, 1)
     task = {"model": make_model(dropout), "dataset": TensorDataset(x, y), "loss_fn": loss_fn}
     if fp16_overflow_at:

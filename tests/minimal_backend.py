@@ -1,4 +1,4 @@
-"""A back end written against accum_sched.backends.Backend alone (tests/test_backend_seam.py registers it).
+"""A back end written against accum_sched.backends.Backend alone (tests/accum_sched/test_backend_seam.py registers it).
 
 One process, gradients in ``.grad``: what docs/backends.md's "adding a back end" asks for, and nothing more.
 """

@@ -1,6 +1,6 @@
-"""User tasks for tests/test_scale_costs.py (``scale_tasks:slow_regression``): a regression whose dataset records
-every sample it loads and whose micro-batches can be made slow. Set by environment variables, not task.args
-(task.args are in the config hash a resume checks):
+"""User tasks for tests/launcher/train/test_scale_costs.py (``scale_tasks:slow_regression``): a regression whose
+dataset records every sample it loads and whose micro-batches can be made slow. Set by environment variables, not
+task.args (task.args are in the config hash a resume checks):
 
   LOADS_DIR    each process appends the indices it loads to LOADS_DIR/loads-rank<RANK>.txt
   SLOW_S       seconds every loss_fn call sleeps (a long window at a large factor)

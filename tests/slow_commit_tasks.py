@@ -1,5 +1,5 @@
-"""User task (``slow_commit_tasks:regression``) for tests/test_checkpoint_timeout.py: faulty_tasks' regression,
-with rank 0 taking longer than it should over its first checkpoint commit.
+"""User task (``slow_commit_tasks:regression``) for tests/launcher/checkpoint/test_checkpoint_timeout.py:
+faulty_tasks' regression, with rank 0 taking longer than it should over its first checkpoint commit.
 
 Building the task replaces ``launcher.checkpoint.store.commit`` in this worker with one that first sleeps (a
 stand-in for hashing and fsyncing a large checkpoint), as bench/gpu_smoke.py's slow-save worker does. Set by

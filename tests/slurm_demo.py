@@ -55,7 +55,8 @@ def check_preempted_and_resumed(log: str, run_dir: Path, job_id: str) -> int:
 
     Rank 0 prints its "preempted at step N" line before `scontrol requeue` (which may end the job step at once), so
     the line must be there, and the requeued run must resume from that very step."""
-    resumed = re.findall(rf"accum-sched: resumed from {re.escape(str(run_dir))}/checkpoints/step-(\d+)(?:-mb\d+)? ", log)
+    where = re.escape(str(run_dir))
+    resumed = re.findall(rf"accum-sched: resumed from {where}/checkpoints/step-(\d+)(?:-mb\d+)? ", log)
     assert len(resumed) == 1 and 0 < int(resumed[0]) < DEMO_STEPS, log[-4000:]  # really mid-run
     step = int(resumed[0])
     stopped = re.findall(r"accum-sched: preempted at step (\d+): checkpoint saved ", log)

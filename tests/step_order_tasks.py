@@ -1,6 +1,6 @@
-"""A task for tests/test_launcher_backends.py: the built-in regression with a validation set whose loss function,
-on rank 0, writes down what is on disk when an evaluation runs (metrics.jsonl and eval.jsonl steps, checkpoints),
-so the test can read the order of the worker's after-step work from a real run."""
+"""A task for tests/launcher/backends/test_launcher_backends.py: the built-in regression with a validation set whose
+loss function, on rank 0, writes down what is on disk when an evaluation runs (metrics.jsonl and eval.jsonl steps,
+checkpoints), so the test can read the order of the worker's after-step work from a real run."""
 from __future__ import annotations
 
 import json

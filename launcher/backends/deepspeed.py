@@ -311,7 +311,7 @@ def deepspeed_config(cfg, world_size: int, client_optimizer: bool) -> dict:
     # (twice per micro-batch here); metrics.jsonl times steps already. Left on only when the user's JSON asks.
     ds.setdefault("timers", {"throughput": {"enabled": False}})
     if client_optimizer and ds.get("zero_optimization", {}).get("stage", 0):
-        ds.setdefault("zero_allow_untested_optimizer", True)  # torch SGD: exact under ZeRO (tests/test_deepspeed.py)
+        ds.setdefault("zero_allow_untested_optimizer", True)  # torch SGD: exact under ZeRO (tests/accum_sched/test_deepspeed.py)
     return ds
 
 
@@ -361,7 +361,7 @@ def initialize(cfg, model, optimizer, lr_scheduler, world_size: int):
     from deepspeed.utils import logger as ds_logger
 
     # DeepSpeed logs its whole config at INFO, and warns that torch SGD is an "untested" ZeRO optimizer (it is exact:
-    # tests/test_deepspeed.py); our progress line is the UI. Its later warnings still show.
+    # tests/accum_sched/test_deepspeed.py); our progress line is the UI. Its later warnings still show.
     ds_logger.setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     ds = parse(cfg).config

@@ -74,7 +74,7 @@ class Checkpointer:
         # every collective runs on the gloo coordination group (launcher/train/coordination.py), not the default one
         self.group = group if group is not None else coordination.group()
         self.ranks = Ranks(rank, world, self.group)
-        # the collectives under their old names (tests/test_gpu_readiness.py drives them on a real group)
+        # the collectives under their old names (tests/accum_sched/test_gpu_readiness.py drives them on a real group)
         self._on_rank0, self._together, self._must_see = self.ranks.on_rank0, self.ranks.together, must_see
         self.device = device or torch.device("cpu")
         self.root = os.path.abspath(store.checkpoint_root(cfg))

@@ -79,7 +79,7 @@ def init_distributed(cfg: Config, launch) -> torch.device:
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # torchrun keeps its store across restarts of a failed worker group and env:// does not prefix the keys
             # by attempt (torch 2.13), so a restarted group read the dead group's gloo addresses and failed to
-            # connect (tests/test_checkpoint.py). Give every attempt its own key space.
+            # connect (tests/launcher/checkpoint/test_checkpoint.py). Give every attempt its own key space.
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launch.world_size,
                                   is_master=False, timeout=timeout)
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
