@@ -235,7 +235,8 @@ class AccumulationEngine:
 
     @property
     def effective_batch(self) -> int | None:
-        """Samples per optimizer step at the current factor (``micro x factor x world``), if the micro-batch is known."""
+        """Samples per optimizer step at the current factor (``micro x factor x world``), if the micro-batch is
+        known."""
         if self.micro_batch_size is None:
             return None
         return self.micro_batch_size * self.factor * self.world_size
@@ -328,7 +329,8 @@ class AccumulationEngine:
             try:
                 num_batches = len(loader)
             except TypeError:
-                raise ValueError("the loader has no len(); pass num_batches= so ranks can agree on the epoch length") from None
+                raise ValueError("the loader has no len(); pass num_batches= so ranks can agree on the epoch "
+                                 "length") from None
         start = self.micro_in_epoch
         if not skip:
             num_batches += start  # the loader yields only what remains
@@ -604,14 +606,15 @@ class AccumulationEngine:
         state = {
             "epoch": self.epoch_index, "micro_batch": self.micro_in_epoch,
             "optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
-            "overflow_steps": self.overflow_steps, "micro_batches": self.micro_steps, "elements": self.elements, "samples": self.samples,
+            "overflow_steps": self.overflow_steps, "micro_batches": self.micro_steps, "elements": self.elements,
+            "samples": self.samples,
             "allreduce_rounds": self.allreduce_rounds or 0, "factor": self.factor, "world_size": self.world_size,
             "schedule": [list(m) for m in self.schedule.milestones], "unit": self.schedule.unit,
             "backend": self.backend.state_dict(), **self._noise_state(),
         }
         if self.window_open:
-            state["window"] = {"start": self._win_start, "loss": float(self._window_loss()), "elements": float(self._win_n),
-                               "grad_scale": self._prescale,
+            state["window"] = {"start": self._win_start, "loss": float(self._window_loss()),
+                               "elements": float(self._win_n), "grad_scale": self._prescale,
                                "samples": self._win_samples, "grads": self.backend.local_grads()}
         return state
 

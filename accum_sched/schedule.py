@@ -74,7 +74,8 @@ def _ramp_pairs(ramp, unit: str) -> list[tuple[int, int]]:
     """A linear ramp from ``start`` to ``end`` over ``over`` units, as the thresholds where each factor begins:
     factor(v) = start + sign(end - start) * floor(|end - start| * v / over) for v < over, then ``end``."""
     if not isinstance(ramp, Mapping) or set(ramp) != {"start", "end", "over"}:
-        raise ValueError("schedule ramp needs exactly start, end and over; write {ramp: {start: 1, end: 8, over: 1000}}")
+        raise ValueError("schedule ramp needs exactly start, end and over; write "
+                         "{ramp: {start: 1, end: 8, over: 1000}}")
     start = _check_factor(ramp["start"], f"ramp start {ramp['start']!r}")
     end = _check_factor(ramp["end"], f"ramp end {ramp['end']!r}")
     over = _parse_threshold(ramp["over"], unit, f"ramp over {ramp['over']!r}")
@@ -104,9 +105,10 @@ class AccumulationSchedule:
 
     ``spec`` may be a mapping ``{key: factor}`` (int keys, or digit strings as JSON gives them), a string
     ``"0:1,5:2,10:4"``, an int (a constant factor), a linear ramp ``{"ramp": {"start": 1, "end": 8, "over": 1000}}``
-    (the factor moves one step from start toward end every over/|end - start| units, reaching end at ``over``), or another AccumulationSchedule.
-    The caller's object is never modified. ``unit`` says what the keys count: ``epoch`` (default, 0-indexed epochs), ``step`` (optimizer steps
-    completed), ``samples`` or ``tokens`` (consumed, globally); the last two accept K/M/B/T suffixes.
+    (the factor moves one step from start toward end every over/|end - start| units, reaching end at ``over``), or
+    another AccumulationSchedule. The caller's object is never modified. ``unit`` says what the keys count: ``epoch``
+    (default, 0-indexed epochs), ``step`` (optimizer steps completed), ``samples`` or ``tokens`` (consumed,
+    globally); the last two accept K/M/B/T suffixes.
     """
 
     def __init__(self, spec, unit: str = "epoch"):
@@ -270,7 +272,8 @@ class AccumulationSchedule:
         return dict(self.milestones)
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, AccumulationSchedule) and (self.unit, self.milestones) == (other.unit, other.milestones)
+        return isinstance(other, AccumulationSchedule) and \
+            (self.unit, self.milestones) == (other.unit, other.milestones)
 
     def __hash__(self) -> int:
         return hash((self.unit, self.milestones))

@@ -148,7 +148,8 @@ def main(argv=None) -> int:
         rows.append(summarize(name, records[name]))
         print(f"{name}: {rows[-1]} ({time.time() - began:.0f} s with start-up)", flush=True)
     print(f"\ntarget validation loss {args.target} (world {args.world}, micro-batch {args.micro})")
-    print(f"{'run':<10} {'reached':>7} {'steps':>6} {'samples':>8} {'tokens':>8} {'train s':>8} {'best val':>9}  factors")
+    print(f"{'run':<10} {'reached':>7} {'steps':>6} {'samples':>8} {'tokens':>8} {'train s':>8} "
+          f"{'best val':>9}  factors")
     for r in rows:
         print(f"{r['run']:<10} {str(r['reached']):>7} {str(r['steps']):>6} {str(r['samples']):>8} "
               f"{str(r['tokens']):>8} {r['train_seconds']:>8} {r['best_val']:>9}  {r['factors']}")

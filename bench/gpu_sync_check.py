@@ -57,7 +57,8 @@ def _model():
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print("gpu_sync_check: no CUDA device here; nothing checked (the CPU count is tests/accum_sched/test_perf_counts.py)")
+        print("gpu_sync_check: no CUDA device here; nothing checked (the CPU count is "
+              "tests/accum_sched/test_perf_counts.py)")
         return 0
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP

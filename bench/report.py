@@ -203,7 +203,8 @@ def render_pairs(summary: dict, variants: dict) -> str:
                          *(f"{c[k]:.1f}" if k in c else "n/a" for k in ("all_gather", "reduce_scatter", "all_reduce")),
                          f"{c['bytes'] / 2**20:.2f}" if "bytes" in c else "n/a",
                          "/".join(f"{v:.0f}" for v in row["rss_mb_per_rank"])])
-    return "FSDP2 rows (each against the hand-written FSDP2 loop of the same sync mode and round)\n" + _table(head, rows)
+    title = "FSDP2 rows (each against the hand-written FSDP2 loop of the same sync mode and round)\n"
+    return title + _table(head, rows)
 
 
 def pair_verdicts(summary: dict, pairs) -> list[str]:

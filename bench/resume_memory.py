@@ -2,10 +2,10 @@
 
     python bench/resume_memory.py [--mb 400]
 
-Writes a trainer.pt like launcher/checkpoint/checkpointer.py does (model + AdamW state, about 3x the model), then loads it in a
-fresh process each way and restores model and optimizer from it. Reported, at the moment both the loaded dict and
-the restored model are alive (the peak): RssAnon (private: every rank of a node pays it), RssFile (file pages: one
-page-cache copy per node, shared by its ranks and reclaimable).
+Writes a trainer.pt like launcher/checkpoint/checkpointer.py does (model + AdamW state, about 3x the model), then
+loads it in a fresh process each way and restores model and optimizer from it. Reported, at the moment both the
+loaded dict and the restored model are alive (the peak): RssAnon (private: every rank of a node pays it), RssFile
+(file pages: one page-cache copy per node, shared by its ranks and reclaimable).
 """
 from __future__ import annotations
 

@@ -34,7 +34,8 @@ def check(field: str, text: str, what: str) -> None:
     from launcher.tasks import _ensure_cwd_on_path
 
     if not looks_like_path(text):
-        raise ConfigError(field, f"{text!r} is not an import path", f"write e.g. 'torch.optim.RMSprop' or 'mypkg.mod:{what}'")
+        raise ConfigError(field, f"{text!r} is not an import path",
+                          f"write e.g. 'torch.optim.RMSprop' or 'mypkg.mod:{what}'")
     top = split(text)[0].split(".")[0]
     _ensure_cwd_on_path()
     try:

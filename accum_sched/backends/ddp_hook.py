@@ -45,7 +45,8 @@ class HookState:
         self._sizes: dict[int, int] = {}
         self._carrier = 0  # bucket index that carries the stats (the smallest of the previous round)
         self._grown = None  # (storage, offset, numel, dtype) of the bucket whose storage holds the stats' tail
-        self._flat: torch.Tensor | None = None  # the carrier's buffer, kept: (bucket, stats) copied in, reduced in place
+        # the carrier's buffer, kept: (bucket, stats) copied in, reduced in place
+        self._flat: torch.Tensor | None = None
         self._parts: tuple[torch.Tensor, torch.Tensor] | None = None  # its (gradient, stats) views
 
     def carrier(self, buf: torch.Tensor, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

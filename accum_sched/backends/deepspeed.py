@@ -113,8 +113,8 @@ class DeepSpeedBackend(Backend):
                              "this back end scales); remove zero_optimization.offload_optimizer")
         if ds_engine.fp16_enabled() and not ds_engine.zero_optimization():
             raise ValueError("fp16 without ZeRO is not supported: DeepSpeed's engine.backward does not multiply the "
-                             "loss by the loss scale of its FP16 optimizers, yet their step divides by it (measured with "
-                             "0.19.8); use ZeRO stage 1-3 with fp16, or bf16")
+                             "loss by the loss scale of its FP16 optimizers, yet their step divides by it (measured "
+                             "with 0.19.8); use ZeRO stage 1-3 with fp16, or bf16")
         ds_scheduler = getattr(ds_engine, "lr_scheduler", None)
         if lr_scheduler is not None and ds_scheduler is not None and lr_scheduler is not ds_scheduler:
             raise ValueError("the DeepSpeed engine already has an LR scheduler; pass lr_scheduler=None")

@@ -311,7 +311,8 @@ def deepspeed_config(cfg, world_size: int, client_optimizer: bool) -> dict:
     # (twice per micro-batch here); metrics.jsonl times steps already. Left on only when the user's JSON asks.
     ds.setdefault("timers", {"throughput": {"enabled": False}})
     if client_optimizer and ds.get("zero_optimization", {}).get("stage", 0):
-        ds.setdefault("zero_allow_untested_optimizer", True)  # torch SGD: exact under ZeRO (tests/accum_sched/test_deepspeed.py)
+        # torch SGD: exact under ZeRO (tests/accum_sched/test_deepspeed.py)
+        ds.setdefault("zero_allow_untested_optimizer", True)
     return ds
 
 

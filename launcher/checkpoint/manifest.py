@@ -106,7 +106,8 @@ def migrate(raw: dict) -> Manifest:
     known = {f.name for f in dataclasses.fields(Manifest)}
     values = {k: v for k, v in raw.items() if k in known}
     if version < 2:
-        values["partial_window"] = False  # stops inside a window came with version 2: every earlier one is at a boundary
+        # stops inside a window came with version 2: every earlier one is at a boundary
+        values["partial_window"] = False
     values["version"] = VERSION
     return _typed(Manifest(**values))
 

@@ -1,7 +1,8 @@
 """The config reference table of docs/cli.md, generated from the keys' declarations (launcher/config/sections.py).
 
 ``python -m launcher.config.reference`` prints it; ``--write`` puts it into docs/cli.md between the two marker
-lines; ``--check`` exits 1 when docs/cli.md holds another table (tests/launcher/config/test_config_types.py checks the same).
+lines; ``--check`` exits 1 when docs/cli.md holds another table (tests/launcher/config/test_config_types.py checks the
+same).
 Torch-free.
 """
 from __future__ import annotations

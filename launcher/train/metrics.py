@@ -87,7 +87,8 @@ class MetricsWriter:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 if tensorboard == "on":
-                    raise RuntimeError("logging.tensorboard: on needs the tensorboard package; pip install tensorboard") from None
+                    raise RuntimeError("logging.tensorboard: on needs the tensorboard package; "
+                                       "pip install tensorboard") from None
             else:
                 self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
 

@@ -35,7 +35,8 @@ def _check_keywords(target, kwargs: dict, fields: dict, name: str) -> None:
     for key in kwargs:
         if key not in accepted:
             raise ConfigError(fields.get(key, f"{fields['*']}.{key}"), f"{name} takes no keyword {key!r}",
-                              f"remove it; {name} accepts {', '.join(sorted(accepted - {'self', 'params', 'optimizer'}))}")
+                              f"remove it; {name} accepts "
+                              f"{', '.join(sorted(accepted - {'self', 'params', 'optimizer'}))}")
 
 
 def param_groups(params, no_decay) -> list:
@@ -155,7 +156,8 @@ def _scheduler_call(section, total: int):
 def _check_step(name: str, step, bound: bool) -> None:
     """The engine calls ``scheduler.step()`` once per optimizer step: a step that needs an argument cannot work."""
     params = list(inspect.signature(step).parameters.values())[0 if bound else 1:]
-    required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in params if p.default is p.empty and p.kind in positional]
     if required:  # ReduceLROnPlateau: step(metrics)
         raise ConfigError("lr_scheduler.name", f"{name}.step needs {', '.join(required)}",
                           "use a scheduler stepped once per optimizer step without arguments")
@@ -177,7 +179,8 @@ def _scheduler_by_path(section, optimizer, total: int):
     try:
         scheduler = target(optimizer, **kwargs)
     except (TypeError, ValueError) as exc:
-        raise ConfigError("lr_scheduler.args", f"{name} rejected its arguments ({exc})", "fix lr_scheduler.args") from None
+        raise ConfigError("lr_scheduler.args", f"{name} rejected its arguments ({exc})",
+                          "fix lr_scheduler.args") from None
     step = getattr(scheduler, "step", None)
     if not callable(step) or not callable(getattr(scheduler, "state_dict", None)):
         raise ConfigError("lr_scheduler.name", f"{name!r} did not build an LR scheduler (no step/state_dict)",
