@@ -148,14 +148,7 @@ class DeepSpeedBackend(Backend):
             self._wrap_allreduce_bucket()
             self.capabilities = dataclasses.replace(self.capabilities, stats_in_gradient_collective=True)
 
-    # -- counters (DeepSpeed launches its own collectives; they are not counted here) ---------------------------
-    @property
-    def allreduce_rounds(self) -> int | None:
-        return None
-
-    @property
-    def allreduce_bytes(self) -> int | None:
-        return None
+    # counters: DeepSpeed launches its own collectives, so allreduce_rounds/bytes stay the base's None (not counted)
 
     # -- per micro-batch ----------------------------------------------------------------------------------------
     def sync_context(self, boundary: bool):
