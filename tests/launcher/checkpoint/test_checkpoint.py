@@ -140,7 +140,9 @@ def test_sigkilled_worker_is_restarted_by_torchrun_and_resumes_by_itself(ref, tm
     proc = accum("run", cfg, "--max-restarts", "1", fault=fault("kill", 1, 46, marker))  # epoch 3, after step 28
     assert marker.read_text() == "kill at micro-batch 46\n"
     text = proc.stdout + proc.stderr
-    assert "exitcode: -9" in text  # torchrun saw the SIGKILL
+    # torchrun saw a worker die: the killed rank (-9), or, when its agent tore the group down first, the other rank
+    # it stopped (-15); the marker above is the proof of the SIGKILL itself
+    assert "exitcode: -9" in text or "exitcode: -15" in text
     assert "resumed from " + os.path.join(run, "checkpoints", "step-00000028") + " (step 28, epoch 2, micro-batch 12" \
         in text
     assert_same_bits(run, ref)
