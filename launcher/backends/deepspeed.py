@@ -400,11 +400,11 @@ class DeepSpeedBackend(LauncherBackend):
         if cfg.distributed.deepspeed_config is None:
             raise ConfigError(FIELD, "is required with backend: deepspeed",
                               "give the path of a DeepSpeed JSON file or an inline mapping")
-        acc = cfg.accumulation
-        if acc.noise_scale or acc.adaptive is not None:
-            field = "accumulation.adaptive" if acc.adaptive is not None and not acc.noise_scale \
-                else "accumulation.noise_scale"
-            _check_measuring(cfg, field, acc.adaptive is not None)
+        from launcher.config.noise import measuring_field  # torch-free, imports nothing of ours back
+
+        field = measuring_field(cfg.accumulation)
+        if field is not None:
+            _check_measuring(cfg, field, cfg.accumulation.adaptive is not None)
 
     def resolve_raw(self, cfg) -> dict | None:
         return resolved_raw(cfg)

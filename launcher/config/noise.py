@@ -37,6 +37,14 @@ def adaptive_settings(raw: dict) -> dict:
     return out
 
 
+def measuring_field(acc) -> str | None:
+    """The key that asks for the noise scale to be measured (``accumulation.noise_scale``, or ``accumulation.adaptive``
+    when only the adaptive factor does), named in the errors of the rules that follow; None when nothing is."""
+    if acc.noise_scale:
+        return "accumulation.noise_scale"
+    return "accumulation.adaptive" if acc.adaptive is not None else None
+
+
 def check(cfg) -> None:
     """Refuse combinations the measurement or the adaptive factor cannot honour (a back end's own limits, e.g.
     DeepSpeed's ZeRO stage 0 in fp32, are its validate(): launcher/backends/)."""
@@ -66,7 +74,7 @@ def check(cfg) -> None:
                           "set accumulation.noise_scale: true (or use accumulation.adaptive)")
     if not measuring:
         return
-    field = "accumulation.adaptive" if adaptive is not None and not acc.noise_scale else "accumulation.noise_scale"
+    field = measuring_field(acc)
     if acc.normalize != "elements":
         raise ConfigError(field, "needs accumulation.normalize: elements (per-element mean gradients)",
                           "set accumulation.normalize: elements")
