@@ -147,7 +147,6 @@ class Trainer:
         self.backend = backends.get(cfg.distributed.backend)
         self.setup = self.backend.setup(cfg, self.task.model.to(device), self._make_optimizer, device, self.world)
         self.model, self.optimizer, self.lr_scheduler = self.setup.model, self.setup.optimizer, self.setup.lr_scheduler
-        self.wrapped = self.setup.module
         self.engine = self._make_engine()
         self.metrics = None
         self.progress = None
@@ -190,7 +189,7 @@ class Trainer:
             return None
         from launcher.train.validation import Validation
 
-        return Validation(self.cfg, self.task, self.wrapped, self.device, self.rank, self.engine.autocast,
+        return Validation(self.cfg, self.task, self.setup.module, self.device, self.rank, self.engine.autocast,
                           lambda batch: to_device(batch, self.device), self.final_state_dict, self.run_dir,
                           self.start)
 
