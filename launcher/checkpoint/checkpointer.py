@@ -31,7 +31,15 @@ from launcher.checkpoint import store
 from launcher.checkpoint.collective import CheckpointError, Ranks, must_see
 from launcher.checkpoint.data_position import EpochLoader, deal, global_order, redealt_loader, resume_position
 from launcher.checkpoint.manifest import Manifest
-from launcher.checkpoint.parts import check_parts, load_data_parts, load_model_parts, own_optimizer_state, save_parts
+from launcher.checkpoint.parts import (
+    check_parts,
+    load_data_parts,
+    load_model_parts,
+    load_shards,
+    own_optimizer_state,
+    save_parts,
+    save_shards,
+)
 from launcher.checkpoint.resume import ResumePlan, plan_resume
 from launcher.checkpoint.rng import RankRng, rng_state, seed_rank, set_rng_state
 from launcher.train import coordination
@@ -39,24 +47,6 @@ from launcher.train import coordination
 # names tests and benchmarks import from here
 __all__ = ["CheckpointError", "Checkpointer", "deal", "global_order", "own_optimizer_state", "rng_state",
            "seed_rank", "set_rng_state"]
-
-
-# -- the launcher back end's part (launcher/backends/): DeepSpeed and FSDP2 write sharded files of their own --------
-def _owns_model_state(parts: dict) -> bool:
-    """trainer.pt holds model and optimizer, unless the back end keeps a sharded checkpoint of its own."""
-    return not parts["backend"].sharded_checkpoint
-
-
-def _save_shards(parts: dict, tmp: str) -> None:
-    """Collective: every rank writes its shards under ``tmp`` (DeepSpeed's in deepspeed/, FSDP2's DCP in fsdp/)."""
-    if parts["backend"].sharded_checkpoint:
-        parts["backend"].save_shards(parts["setup"], tmp)
-
-
-def _load_shards(parts: dict, path: str) -> None:
-    """Collective: every rank loads its shards of checkpoint ``path`` (no-op when trainer.pt holds the model)."""
-    if parts["backend"].sharded_checkpoint:
-        parts["backend"].load_shards(parts["setup"], path)
 
 
 class Checkpointer:
@@ -188,7 +178,7 @@ class Checkpointer:
 
     def _load(self, path: str) -> dict:
         # Only what we wrote ourselves is loaded here, with weights_only (tensors and plain values); DeepSpeed's
-        # own shards are loaded by DeepSpeed's load_checkpoint (_load_shards), under its own rules.
+        # own shards are loaded by DeepSpeed's load_checkpoint (parts.load_shards), under its own rules.
         try:
             # mmap: tensors stay file-backed pages (shared through the page cache by the ranks of a node) until
             # load_state_dict copies them into place, instead of one private copy of the whole file per rank
@@ -197,8 +187,8 @@ class Checkpointer:
             raise CheckpointError(f"{path}: cannot be loaded ({type(exc).__name__}: {exc})") from exc
 
     def _load_model(self, state: dict, path: str) -> None:
-        _load_shards(self.parts, path)
-        load_model_parts(self.parts, state, _owns_model_state(self.parts))
+        load_shards(self.parts, path)
+        load_model_parts(self.parts, state)
 
     def loader(self, epoch: int, loader):
         """What the engine should iterate in ``epoch`` (with skip=False): ``loader`` positioned at the resume point
@@ -248,7 +238,7 @@ class Checkpointer:
 
         def write():
             hashed = {}  # what we write is hashed while it is written: no second read at commit
-            _save_shards(self.parts, tmp)
+            save_shards(self.parts, tmp)
             if window is not None:
                 rel = f"window-rank{self.rank}.pt"
                 hashed[rel] = self._write_file(os.path.join(tmp, rel), {"format": store.FORMAT, "rank": self.rank,
@@ -301,5 +291,5 @@ class Checkpointer:
         }
         if self._order is not None and self._order[0] == engine.epoch_index:
             state["epoch_order"] = {"epoch": self._order[0], "indices": torch.tensor(self._order[1])}
-        state.update(save_parts(self.parts, _owns_model_state(self.parts)))
+        state.update(save_parts(self.parts))
         return self._write_file(path, state)

@@ -64,9 +64,28 @@ def _state_or_none(part):
     return None if part is None else part.state_dict()
 
 
-def save_parts(parts: dict, model_state: bool) -> dict:
-    """The trainer.pt entries of every part but the engine; ``model_state``: trainer.pt holds model, optimizer and
-    scaler (the back end writes no shards of its own)."""
+def _model_in_trainer_pt(parts: dict) -> bool:
+    """trainer.pt holds model, optimizer and scaler, unless the back end keeps a sharded checkpoint of its own
+    (DeepSpeed's files under deepspeed/, FSDP2's DCP shards under fsdp/: launcher/backends/)."""
+    return not parts["backend"].sharded_checkpoint
+
+
+def save_shards(parts: dict, tmp: str) -> None:
+    """Collective: every rank writes the back end's own shards under ``tmp`` (no-op when trainer.pt holds them)."""
+    if not _model_in_trainer_pt(parts):
+        parts["backend"].save_shards(parts["setup"], tmp)
+
+
+def load_shards(parts: dict, path: str) -> None:
+    """Collective: every rank loads its shards of checkpoint ``path`` (no-op when trainer.pt holds the model)."""
+    if not _model_in_trainer_pt(parts):
+        parts["backend"].load_shards(parts["setup"], path)
+
+
+def save_parts(parts: dict) -> dict:
+    """The trainer.pt entries of every part but the engine (model, optimizer and scaler only where the back end
+    writes no shards of its own)."""
+    model_state = _model_in_trainer_pt(parts)
     entries = {"sampler_epoch": parts["sampler"].state_dict(), "lr_scheduler": _state_or_none(parts["lr_scheduler"])}
     if parts["validation"] is not None:  # best value and early-stop count (launcher/train/validation.py)
         entries["eval"] = parts["validation"].state_dict()
@@ -76,9 +95,9 @@ def save_parts(parts: dict, model_state: bool) -> dict:
     return entries
 
 
-def load_model_parts(parts: dict, state: dict, model_state: bool) -> None:
+def load_model_parts(parts: dict, state: dict) -> None:
     """Model and optimizer (when trainer.pt holds them), LR scheduler and GradScaler from trainer.pt's ``state``."""
-    if model_state:
+    if _model_in_trainer_pt(parts):
         parts["model"].load_state_dict(state["model"])
         parts["optimizer"].load_state_dict(state["optimizer"])
         own_optimizer_state(parts["optimizer"])
