@@ -137,6 +137,35 @@ def reference(case: Case, world: int) -> nn.Module:
     return reference_units(case, "epoch", "none", world)
 
 
+def window_reference(case: Case, world: int, *, optimizer=None, scheduler=None, skip=()) -> tuple[nn.Module, list]:
+    """Plain torch, one process, an epoch-keyed schedule: one large batch per window of every rank's micro-batches,
+    clipped as the case says; ``optimizer(model)`` / ``scheduler(opt)`` replace the case's optimizer and add an LR
+    scheduler stepped once per window; windows in ``skip`` ((epoch, index)) take no optimizer step (their data is
+    consumed, the optimizer's state is not touched). Returns the model and the LR each window ran with."""
+    schedule = AccumulationSchedule(case.schedule)
+    model = make_model(case)
+    opt = optimizer(model) if optimizer else make_optimizer(case, model)
+    sched = scheduler(opt) if scheduler else None
+    lrs = []
+    for epoch in range(case.epochs):
+        per_rank = [rank_batches(case, r, epoch) for r in range(world)]
+        n, factor = min(len(b) for b in per_rank), schedule.factor(epoch)
+        for index, start in enumerate(range(0, n, factor)):
+            window = [per_rank[r][i] for r in range(world) for i in range(start, min(start + factor, n))]
+            big = (torch.cat([b[0] for b in window]), torch.cat([b[1] for b in window]))
+            losses, valid = element_losses(model, big, case.kind)
+            opt.zero_grad()
+            losses[valid].mean().backward()
+            if case.clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+            lrs.append(opt.param_groups[0]["lr"])
+            if (epoch, index) not in skip:
+                opt.step()
+            if sched is not None:
+                sched.step()
+    return model, lrs
+
+
 def params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 

@@ -213,28 +213,8 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 def reference(case, *, optimizer=None, scheduler=None, skip=()) -> dict:
-    """cases.reference, plus a scheduler stepped per window and windows whose step is skipped ((epoch, index))."""
-    schedule = AccumulationSchedule(case.schedule)
-    model = cases.make_model(case)
-    opt = optimizer(model) if optimizer else cases.make_optimizer(case, model)
-    sched = scheduler(opt) if scheduler else None
-    lrs = []
-    for epoch in range(case.epochs):
-        per_rank = [cases.rank_batches(case, r, epoch) for r in range(WORLD)]
-        n, factor = min(len(b) for b in per_rank), schedule.factor(epoch)
-        for index, start in enumerate(range(0, n, factor)):
-            window = [per_rank[r][i] for r in range(WORLD) for i in range(start, min(start + factor, n))]
-            big = (torch.cat([b[0] for b in window]), torch.cat([b[1] for b in window]))
-            losses, valid = cases.element_losses(model, big, case.kind)
-            opt.zero_grad()
-            losses[valid].mean().backward()
-            if case.clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
-            lrs.append(opt.param_groups[0]["lr"])
-            if (epoch, index) not in skip:
-                opt.step()
-            if sched is not None:
-                sched.step()
+    """cases.window_reference on this file's world: the final state and the LR of every window."""
+    model, lrs = cases.window_reference(case, WORLD, optimizer=optimizer, scheduler=scheduler, skip=skip)
     return {"state": model.state_dict(), "lrs": lrs}
 
 

@@ -59,23 +59,9 @@ def train(engine, rank: int, nan_rank: int) -> dict:
 
 
 def reference(world: int, skip=(NAN_WINDOW,)) -> list[torch.Tensor]:
-    """Plain torch, one process: one large batch per window of every rank's micro-batches; windows in ``skip``
-    take no optimizer step (their data is consumed, the momentum buffer is not touched)."""
-    schedule = AccumulationSchedule(CASE.schedule)
-    model = cases.make_model(CASE)
-    optimizer = cases.make_optimizer(CASE, model)
-    for epoch in range(CASE.epochs):
-        per_rank = [cases.rank_batches(CASE, r, epoch) for r in range(world)]
-        n, factor = min(map(len, per_rank)), schedule.factor(epoch)
-        for index, start in enumerate(range(0, n, factor)):
-            window = [per_rank[r][i] for r in range(world) for i in range(start, min(start + factor, n))]
-            big = (torch.cat([b[0] for b in window]), torch.cat([b[1] for b in window]))
-            losses, valid = cases.element_losses(model, big, CASE.kind)
-            optimizer.zero_grad()
-            losses[valid].mean().backward()
-            if (epoch, index) not in skip:
-                optimizer.step()
-    return cases.params(model)
+    """cases.window_reference: the NaN window takes no optimizer step (its data is consumed, the momentum buffer is
+    not touched)."""
+    return cases.params(cases.window_reference(CASE, world, skip=skip)[0])
 
 
 def assert_params(got, want, what: str) -> None:
