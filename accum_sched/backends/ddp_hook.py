@@ -20,6 +20,9 @@
 """
 from __future__ import annotations
 
+import atexit
+import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -100,6 +103,35 @@ def _first(fut):
     return fut.value()[0]
 
 
+# Every callback chained onto a bucket's future, until the communication thread has let go of it. That thread drops
+# its reference after the callback has run, and needs the GIL to do so: if the bucket was the last of the last
+# backward and the script ends at once, Python may already be finalizing, the thread is made to exit inside C++ code
+# that must not unwind, and the process aborts ("terminate called without an active exception", seen in about one
+# run in five of a short own loop under gloo). Before finalization an exit handler gives the thread the GIL until
+# each callback is released.
+_held: weakref.WeakSet = weakref.WeakSet()
+
+
+def _then(fut, fn):
+    """``fut.then(fn)`` with a callback object of its own, watched until the communication thread releases it."""
+    def callback(f):
+        return fn(f)
+
+    _held.add(callback)
+    return fut.then(callback)
+
+
+def release_callbacks(timeout_s: float = 2.0) -> bool:
+    """Wait (letting other threads run) until no chained callback is still held; True if none is."""
+    deadline = time.monotonic() + timeout_s
+    while len(_held) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return not len(_held)
+
+
+atexit.register(release_callbacks)
+
+
 def engine_hook(state: HookState, bucket):
     buf = bucket.buffer()
     index, last, n = bucket.index(), bucket.is_last(), buf.numel()
@@ -121,7 +153,7 @@ def engine_hook(state: HookState, bucket):
     fut = state.process_group.allreduce([flat]).get_future()
     want_norm, after = state.want_norm, state.after_reduce
     if not want_norm and not after:
-        return fut.then(_first)  # a Python hook's future must hold one tensor (torch asserts it)
+        return _then(fut, _first)  # a Python hook's future must hold one tensor (torch asserts it)
 
     def reduced(fut):
         out = fut.value()[0]
@@ -133,4 +165,4 @@ def engine_hook(state: HookState, bucket):
             callback(bucket, grads)
         return out
 
-    return fut.then(reduced)
+    return _then(fut, reduced)
