@@ -51,19 +51,33 @@ def _scaled_lr(optimizer, scale: float):
             group["lr"] = lr
 
 
+def tensor_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The 2-norm of each of ``tensors`` (non-empty), in their order, as 0-d tensors taken in fp32 or better.
+
+    One fused ``torch._foreach_norm`` pass (available since torch 2.0, unlike ``torch.nn.utils.get_total_norm``) over
+    the fp32 and wider ones; fp16 and bf16 ones are accumulated in fp32 one by one. Each norm depends only on its
+    tensor's values, not on where the tensor lies in memory, so a sum over them in a fixed order does not change
+    with how the tensors are laid out (DDP's buckets are laid out again after the first iteration)."""
+    low = [i for i, t in enumerate(tensors) if t.dtype in (torch.float16, torch.bfloat16)]
+    wide = [i for i, t in enumerate(tensors) if t.dtype not in (torch.float16, torch.bfloat16)]
+    norms: list = [None] * len(tensors)
+    if wide:
+        for i, norm in zip(wide, torch._foreach_norm([tensors[i] for i in wide], 2)):
+            norms[i] = norm
+    for i in low:
+        norms[i] = torch.linalg.vector_norm(tensors[i], dtype=torch.float32)
+    return norms
+
+
 def squared_norm(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
     """Sum of squares of every element of ``tensors``, as a float64 0-d tensor on ``device``, without a host sync.
 
-    One fused ``torch._foreach_norm`` pass (available since torch 2.0, unlike ``torch.nn.utils.get_total_norm``); each
-    tensor's norm is taken in fp32 or better (fp32 rounding, ~1e-7 relative, is far below any tolerance, and a
-    float64 pass is many times slower on CPU) and the squares are summed in float64.
+    Each tensor's norm is taken in fp32 or better (:func:`tensor_norms`; fp32 rounding, ~1e-7 relative, is far below
+    any tolerance, and a float64 pass is many times slower on CPU) and the squares are summed in float64.
     """
     tensors = [t for t in tensors if t is not None and t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.float64, device=device)
-    low = [t for t in tensors if t.dtype in (torch.float16, torch.bfloat16)]
-    wide = [t for t in tensors if t.dtype not in (torch.float16, torch.bfloat16)]
-    norms = list(torch._foreach_norm(wide, 2)) if wide else []
-    norms += [torch.linalg.vector_norm(t, dtype=torch.float32) for t in low]  # fp32 accumulation for low precision
+    norms = tensor_norms(tensors)
     target = device if device is not None else norms[0].device
     return torch.stack([n.to(target, torch.float64) for n in norms]).square().sum()

@@ -43,7 +43,7 @@ class DDPBackend(TorchBackend):
         self.hook: HookState | None = None
         self._stats_work = None
         if options.count_allreduce:
-            state = HookState(model.process_group)
+            state = HookState(model.process_group, model.parameters())
             try:
                 model.register_comm_hook(state, engine_hook)
                 self.hook = state

@@ -11,8 +11,11 @@
   previous round, or the last bucket if that one never came; every rank makes the same choice because DDP gives
   every rank the same buckets. The tail lives in the carrier's own storage, grown once (:meth:`HookState.carrier`),
   so carrying costs writing 8 numbers, not a copy of the bucket;
-* the squared norm of each reduced bucket, when the engine asked for the norm of this window, taken in the future's
-  callback while the backward still runs, with the bucket still in cache;
+* the norm of each parameter's reduced gradient, when the engine asked for the norm of this window, taken in the
+  future's callback while the backward still runs, with the bucket still in cache, and summed in the parameters'
+  order (not the buckets'): DDP lays its buckets out again after the first iteration, and a norm taken per bucket
+  would round differently before and after, so a run resumed from a checkpoint would not repeat the one that went
+  straight on bit for bit;
 * callbacks per bucket, before and after its reduction (``before_reduce(bucket)`` while the bucket holds this
   rank's own gradient, ``after_reduce(bucket, reduced_gradient)``), for measurements that want the gradient as it
   passes (the gradient noise scale's local norms). They run on the communication thread and must not wait for the
@@ -27,6 +30,8 @@ from collections.abc import Callable
 
 import torch
 
+from .. import step_rules
+
 BeforeReduce = Callable[[object], None]  # (bucket)
 AfterReduce = Callable[[object, torch.Tensor], None]  # (bucket, its reduced gradient, without the stats' tail)
 
@@ -34,15 +39,16 @@ AfterReduce = Callable[[object, torch.Tensor], None]  # (bucket, its reduced gra
 class HookState:
     """What the engine's comm hook reads and writes; one per DDP module."""
 
-    def __init__(self, process_group):
+    def __init__(self, process_group, parameters=()):
+        self.order = {p: i for i, p in enumerate(parameters)}  # the order the squared norms are summed in
         self.process_group = process_group  # DDP's: the bucket all-reduce is launched on it directly, as torch's
         # own comm hooks do (torch.distributed.all_reduce would add ~20 us of Python checks per bucket)
         self.rounds = 0
         self.bytes = 0
         self.before_reduce: list[BeforeReduce] = []
         self.after_reduce: list[AfterReduce] = []
-        self.want_norm = False  # take the squared norm of each reduced bucket in this round
-        self.squared_norms: list[torch.Tensor] = []
+        self.want_norm = False  # take the norm of each reduced gradient in this round
+        self.squared_norms: list[tuple[int, torch.Tensor]] = []  # (the parameter's place in self.order, its norm)
         self.pending_stats: torch.Tensor | None = None  # set before the boundary backward, appended to one bucket
         self.reduced_stats: torch.Tensor | None = None  # ... and summed over ranks by the end of that backward
         self._sizes: dict[int, int] = {}
@@ -93,10 +99,20 @@ class HookState:
             self._grown = key
         return buf.new_empty(0).set_(storage, buf.storage_offset(), (buf.numel() + k,), (1,))
 
+    def add_norms(self, bucket, grads: torch.Tensor) -> None:
+        """Take the norm of each parameter's part of a reduced bucket (communication thread)."""
+        params = bucket.parameters()
+        views = [v for v in grads.split([p.numel() for p in params]) if v.numel()]
+        keys = [self.order.get(p, len(self.order) + bucket.index()) for p in params if p.numel()]
+        self.squared_norms.extend(zip(keys, step_rules.tensor_norms(views)))  # list.extend: safe across threads
+
     def take_norm(self) -> torch.Tensor | None:
         """The squared norm of the last reduced gradient (float64, on the device), or None if it was not taken."""
-        squares, self.squared_norms = self.squared_norms, []
-        return torch.stack(squares).sum() if squares else None
+        norms, self.squared_norms = self.squared_norms, []
+        if not norms:
+            return None
+        norms.sort(key=lambda pair: pair[0])  # stable: a parameter outside self.order keeps its bucket's order
+        return torch.stack([norm.double() for _, norm in norms]).square().sum()
 
 
 def _first(fut):
@@ -159,8 +175,7 @@ def engine_hook(state: HookState, bucket):
         out = fut.value()[0]
         grads = out[:n] if carry else out
         if want_norm:
-            norm = torch.linalg.vector_norm(grads, dtype=None if grads.dtype == torch.float32 else torch.float32)
-            state.squared_norms.append(norm.double() ** 2)  # list.append: safe if buckets finish on two threads
+            state.add_norms(bucket, grads)
         for callback in after:
             callback(bucket, grads)
         return out

@@ -89,6 +89,13 @@ def _rank_checks(rank: int, world: int, out_dir: str) -> None:
 
     report["clip"] = attempt(clipped)
 
+    def one_bucket():  # the same run with DDP's default buckets: one for this model
+        model, counts = _run_counted(LAYERS, rank, world, {}, {})
+        torch.save(cases.params(model), os.path.join(out_dir, f"one-{rank}.pt"))
+        return counts
+
+    report["one"] = attempt(one_bucket)
+
     def sparse_norm():  # no clipping, the norm every 2nd step only; micro-batch prescale on (full windows)
         case = cases.Case("layers-norm2", LAYERS.schedule, epochs=2, samples=(40, 38), kind="layers", lr=0.02)
         # gradients that are views of DDP's buckets: they must follow a bucket whose storage the hook grew
@@ -210,6 +217,18 @@ def test_ddp_every_rank_equals_the_large_batch_reference(ranks):
             got = torch.load(out / f"{name}-{rank}.pt")
             for g, w in zip(got, ref):
                 assert torch.allclose(g, w, rtol=1e-5, atol=1e-6), (name, rank, (g - w).abs().max())
+
+
+def test_grad_norm_and_clipping_do_not_depend_on_the_bucket_layout(ranks):
+    """The norm is the same float whatever DDP's buckets (several or one, and laid out again after the first round):
+    a norm summed per bucket rounds differently, and a resumed run, whose first round has the initial layout, would
+    then clip by another factor than the run that went straight on."""
+    out, reports = ranks
+    for rank, report in enumerate(reports):
+        several, one = _ok(report, "clip"), _ok(report, "one")
+        assert [s["grad_norm"] for s in several["steps"]] == [s["grad_norm"] for s in one["steps"]], rank
+        for a, b in zip(torch.load(out / f"clip-{rank}.pt"), torch.load(out / f"one-{rank}.pt")):
+            assert torch.equal(a, b), rank
 
 
 def test_grad_norm_measured_at_its_cadence_only(ranks):
