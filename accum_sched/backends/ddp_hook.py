@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import step_rules
+from accum_sched import step_rules
 
 BeforeReduce = Callable[[object], None]  # (bucket)
 AfterReduce = Callable[[object, torch.Tensor], None]  # (bucket, its reduced gradient, without the stats' tail)
