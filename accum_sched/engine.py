@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from accum_sched import collective, window_stats
+from accum_sched import collective, streams, window_stats
 from accum_sched.backends import make_backend
 from accum_sched.backends.base import module_device
 from accum_sched.schedule import AccumulationSchedule, Position
@@ -102,6 +102,9 @@ def _batch_size(batch) -> int:
             return _batch_size(first)
         return len(batch)
     return 1
+
+
+_END = object()
 
 
 class AccumulationEngine:
@@ -216,6 +219,8 @@ class AccumulationEngine:
         self._win_samples = 0
         self._boundary = False  # the micro-batch handed out last ends its window
         self._prescale = 1.0  # loss multiplier of the open window (see _window_prescale)
+        self._prescale_size = 1  # ... and the window size it assumed (a stream's window may end short)
+        self.stream_collectives = 0  # the small all-reduces that agree where streams end (none for sized loaders)
         self._want_norm = False  # whether the open window's gradient norm is measured
         self._win_start: int | None = None  # micro-batch (in its epoch) where a window left open by a stop began
         self._win_grad_scale = None  # the loss multiplier a resumed open window's gradients carry
@@ -309,9 +314,15 @@ class AccumulationEngine:
                       skip: bool = True) -> Iterator:
         """Yield the micro-batches of ``epoch``, each inside the right gradient-sync context.
 
-        Call :meth:`backward` once for every batch before asking for the next. ``num_batches`` is needed only
-        for loaders without ``len()``. When :attr:`should_stop` turns True the iteration ends early (at a step
-        boundary, or inside a window with ``stop_at="micro_batch"``).
+        Call :meth:`backward` once for every batch before asking for the next. When :attr:`should_stop` turns True
+        the iteration ends early (at a step boundary, or inside a window with ``stop_at="micro_batch"``).
+
+        ``loader`` may be a stream (an iterable without ``len()``, e.g. over an ``IterableDataset``): the epoch then
+        ends where the shortest rank's stream ends (``uneven='error'`` raises on every rank instead), and a window
+        the end cuts short is stepped at its real size. The ranks agree on the end as it comes, without waiting:
+        the engine reads two micro-batches ahead and sums one small flag asynchronously per micro-batch read
+        (:mod:`accum_sched.streams`; :attr:`stream_collectives` counts them). ``num_batches``, where given, is
+        the length instead (agreed once at the epoch's start, as ``len()`` is).
 
         Resuming mid-epoch (after :meth:`load_state_dict`), the first :meth:`resume_offset` micro-batches of the
         epoch were trained already. ``skip=True`` (default): ``loader`` yields the whole epoch and the engine reads
@@ -325,12 +336,11 @@ class AccumulationEngine:
             if self.window_open:
                 raise RuntimeError(f"epoch {self.epoch_index} stopped inside a window; finish it before epoch {epoch}")
             self.epoch_index, self.micro_in_epoch = epoch, 0
+        if num_batches is None and not streams.has_length(loader):
+            yield from self._stream_micro_batches(loader, epoch, skip)
+            return
         if num_batches is None:
-            try:
-                num_batches = len(loader)
-            except TypeError:
-                raise ValueError("the loader has no len(); pass num_batches= so ranks can agree on the epoch "
-                                 "length") from None
+            num_batches = len(loader)
         start = self.micro_in_epoch
         if not skip:
             num_batches += start  # the loader yields only what remains
@@ -344,10 +354,7 @@ class AccumulationEngine:
         while consumed < total and not self.should_stop:
             factor = self._factor_for()
             size = min(factor, total - consumed)
-            self.factor = factor
-            self._prescale = self._window_prescale(size)
-            if self._win_grad_scale is not None:  # the window left open by a stop goes on: its gradients' scale
-                self._rescale_window()
+            self._open_window(factor, size)
             for j in range(self.micro_in_epoch - consumed, size):
                 try:
                     batch = next(iterator)
@@ -355,36 +362,108 @@ class AccumulationEngine:
                     raise RuntimeError(f"epoch {epoch}: the loader ended after {consumed + j} micro-batches but "
                                        f"len() promised {num_batches}") from None
                 boundary = j == size - 1
-                self._boundary = boundary
-                with self.backend.sync_context(boundary):
-                    self._expect_backward = True
-                    self._win_samples += _batch_size(batch)
-                    yield batch
-                    if self._expect_backward:
-                        raise RuntimeError("call engine.backward(loss_sum, n_elements) for every micro-batch "
-                                           "before taking the next one")
-                self.micro_in_epoch = consumed + j + 1
-                stop = self._stop_poll is not None and self._stop_poll.poll(self._stop_requested)
-                if stop and not boundary:  # every rank stops here; the window stays open for state_dict()
-                    self._win_start = consumed
-                    self.should_stop = True
+                yield from self._micro_batch(batch, boundary)
+                stop = self._after_micro_batch(consumed, j, boundary)
+                if stop and not boundary:
                     return
             consumed += size
             self._finish_window(epoch, factor, size)
             self.should_stop = self.should_stop or stop
+        self._end_epoch(epoch)
+
+    def _stream_micro_batches(self, loader: Iterable, epoch: int, skip: bool) -> Iterator:
+        """:meth:`micro_batches` for an iterable without ``len()``: the epoch ends where the shortest rank's
+        stream does (:class:`accum_sched.streams.StreamReader` says so one micro-batch ahead, on every rank), and a
+        window cut short by that end is stepped at its real size."""
+        start = self.micro_in_epoch
+        self._agree_epoch(epoch, None, start)
+        iterator = iter(loader)
+        if skip:
+            for _ in range(start):  # trained before the checkpoint: loaded and dropped
+                if next(iterator, _END) is _END:
+                    break
+        reader = streams.StreamReader(iterator, uneven=self.uneven, context=f"epoch {epoch}")
+        self.stream_collectives += reader.collectives
+        consumed = start if self._win_start is None else self._win_start
+        self._win_start = None
+        ended = False
+        try:
+            while not ended and not self.should_stop:
+                factor = self._factor_for()
+                self._open_window(factor, factor)  # full until the stream says otherwise
+                j, stop = self.micro_in_epoch - consumed, False
+                while j < factor:
+                    before = reader.collectives
+                    item = reader.next()
+                    self.stream_collectives += reader.collectives - before
+                    if item is None:  # nothing left on some rank (only at a window's start: the last was known)
+                        ended = True
+                        break
+                    batch, ended = item
+                    boundary = ended or j == factor - 1
+                    yield from self._micro_batch(batch, boundary)
+                    stop = self._after_micro_batch(consumed, j, boundary)
+                    if stop and not boundary:
+                        return
+                    j += 1
+                    if boundary:
+                        break
+                if j == 0:
+                    break
+                consumed += j
+                self._finish_window(epoch, factor, j)
+                self.should_stop = self.should_stop or stop
+        finally:
+            reader.close()
+        self._end_epoch(epoch)
+
+    def _open_window(self, factor: int, size: int) -> None:
+        """A window of ``factor`` begins (``size`` micro-batches as far as is known now)."""
+        self.factor = factor
+        self._prescale = self._window_prescale(size)
+        self._prescale_size = size
+        if self._win_grad_scale is not None:  # the window left open by a stop goes on: its gradients' scale
+            self._rescale_window()
+
+    def _micro_batch(self, batch, boundary: bool) -> Iterator:
+        """Hand out one micro-batch inside its gradient-sync context; its backward must come before the next."""
+        self._boundary = boundary
+        with self.backend.sync_context(boundary):
+            self._expect_backward = True
+            self._win_samples += _batch_size(batch)
+            yield batch
+            if self._expect_backward:
+                raise RuntimeError("call engine.backward(loss_sum, n_elements) for every micro-batch "
+                                   "before taking the next one")
+
+    def _after_micro_batch(self, consumed: int, j: int, boundary: bool) -> bool:
+        """Count it and poll the stop flag; off a boundary a stop leaves the window open (for state_dict()) and sets
+        should_stop. Returns the poll's answer."""
+        self.micro_in_epoch = consumed + j + 1
+        stop = self._stop_poll is not None and self._stop_poll.poll(self._stop_requested)
+        if stop and not boundary:  # every rank stops here; the window stays open for state_dict()
+            self._win_start = consumed
+            self.should_stop = True
+        return stop
+
+    def _end_epoch(self, epoch: int) -> None:
         if self._stop_poll is not None:  # no poll left in flight past the epoch (the next thing may be a save)
             self.should_stop = self._stop_poll.drain() or self.should_stop
         if not self.should_stop:
             self.epoch_index, self.micro_in_epoch = epoch + 1, 0
 
-    def _agree_epoch(self, epoch: int, num_batches: int, start: int) -> int:
+    def _agree_epoch(self, epoch: int, num_batches: int | None, start: int) -> int:
+        """Agreement at an epoch's start; returns the micro-batches every rank trains (-1 for a stream, whose end
+        is agreed as it comes)."""
         factor = self._factor_for()
         ranges = collective.agree(
             {"accumulation factor": factor, "schedule fingerprint": (self.adaptive or self.schedule).fingerprint(),
-             "resume position": start, "micro-batches per epoch": num_batches,
+             "resume position": start, "micro-batches per epoch": -1 if num_batches is None else num_batches,
              "micro-batch size": self.micro_batch_size or 0},
             context=f"at the start of epoch {epoch}", allow=("micro-batches per epoch",))
         low, high = ranges["micro-batches per epoch"]
+        if num_batches is None:
+            return -1
         if low != high:
             message = (f"epoch {epoch}: ranks have between {low} and {high} micro-batches (this rank {num_batches})")
             if self.uneven == "error":
@@ -527,8 +606,8 @@ class AccumulationEngine:
         """What the window's gradient, as the collective left it, must be multiplied by to be the large-batch mean."""
         if self.normalize == "micro_batches":
             return 1.0 / size
-        if self._prescale != 1.0:  # already divided by a full window's count; correct for the real one
-            return (self.micro_batch_size * size * self.world_size) / max(elements, 1)
+        if self._prescale != 1.0:  # already divided by the count of the window it assumed; correct for the real one
+            return (self.micro_batch_size * self._prescale_size * self.world_size) / max(elements, 1)
         return self._averaging / max(elements, 1)
 
     def _step(self, epoch: int, factor: int, size: int, totals: window_stats.WindowTotals, coef: float,
@@ -662,7 +741,7 @@ class AccumulationEngine:
                 "overflow_steps": self.overflow_steps,
                 "micro_batches": self.micro_steps, "elements": self.elements, "samples": self.samples,
                 "allreduce_rounds": self.allreduce_rounds, "factor": self.factor,
-                "effective_batch": self.effective_batch}
+                "effective_batch": self.effective_batch, "stream_collectives": self.stream_collectives}
 
 
 class StopPoll:
