@@ -30,10 +30,12 @@ BUILTINS = {
     "regression": "launcher.tasks.builtin:regression",
     "charlm": "launcher.tasks.builtin:charlm",
     "hf_causal_lm": "launcher.tasks.hf:hf_causal_lm",
+    "stream_lm": "launcher.tasks.stream_lm:stream_lm",
 }
 # Built-ins whose args can be checked before launch without torch: name -> "module:function(args)".
 ARG_CHECKS = {
     "hf_causal_lm": "launcher.tasks.hf_args:parse",
+    "stream_lm": "launcher.tasks.stream_lm_args:parse",
 }
 
 
