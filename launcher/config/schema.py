@@ -259,8 +259,36 @@ def _cross_check(cfg: Config) -> None:
         raise ConfigError("lr_scheduler.args", f"applies to a scheduler given by import path, not {sched.name}",
                           "remove it, or name a scheduler class such as torch.optim.lr_scheduler.StepLR")
     _check_eval(cfg.eval)
+    _check_compile(cfg.run.compile)
     del schedule
     noise_config.check(cfg)
+
+
+COMPILE_KEYS = ("mode", "dynamic", "fullgraph")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _check_compile(value) -> None:
+    """``run.compile``: false, true, or a mapping of torch.compile's ``mode``, ``dynamic``, ``fullgraph``."""
+    if isinstance(value, bool):
+        return
+    if not isinstance(value, dict):
+        raise ConfigError("run.compile", f"expected true, false or a mapping, got {value!r}",
+                          "write run.compile: true, or e.g. {mode: default, dynamic: false}")
+    for k in value:
+        if k not in COMPILE_KEYS:
+            raise ConfigError(f"run.compile.{k}", "unknown key", _did_you_mean(str(k), COMPILE_KEYS))
+    mode = value.get("mode")
+    if mode is not None and mode not in COMPILE_MODES:
+        raise ConfigError("run.compile.mode", f"{mode!r} is not one of {', '.join(COMPILE_MODES)}",
+                          _did_you_mean(str(mode), COMPILE_MODES) if isinstance(mode, str) else "")
+    dynamic = value.get("dynamic")
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise ConfigError("run.compile.dynamic", f"expected true, false or null, got {dynamic!r}",
+                          "null lets torch.compile decide (it marks a size dynamic when it changes)")
+    if not isinstance(value.get("fullgraph", False), bool):
+        raise ConfigError("run.compile.fullgraph", f"expected true or false, got {value['fullgraph']!r}",
+                          "write true or false")
 
 
 def _check_eval(section) -> None:

@@ -115,13 +115,21 @@ class RunConfig(Section):
     precision: str = key("fp32", train=True, choices=("fp32", "bf16", "fp16"),
                          doc="`fp32`, `bf16` (autocast) or `fp16` (autocast + GradScaler, CPU or GPU); see "
                              "[Precision](training.md#precision)")
+    max_steps: int | None = key(None, train=True, check=at_least(1),
+                                doc="end the run after this many optimizer steps (null: after `run.epochs`); what "
+                                    "ends a run on an endless stream, see [Streams](data.md)")
+    compile: bool | dict = key(False, train=False, kind="any",
+                               doc="`torch.compile` the model: false, true, or `{mode, dynamic, fullgraph}` passed "
+                                   "to it (single process, DDP, FSDP2 per block); see "
+                                   "[torch.compile](training.md#torchcompile)")
 
 
 @dataclass(frozen=True, eq=False)
 class TaskConfig(Section):
     SECTION: ClassVar[str] = "task"
     target: str = key(train=True, hint="write 'module:function' or 'builtin:regression'",
-                      doc="`module:function` or `builtin:regression` / `builtin:charlm` / `builtin:hf_causal_lm`")
+                      doc="`module:function` or `builtin:regression` / `builtin:charlm` / `builtin:hf_causal_lm` / "
+                          "`builtin:stream_lm`")
     args: dict = key({}, train=True, doc="keyword arguments of the task function")
 
 
@@ -133,6 +141,9 @@ class DataConfig(Section):
     drop_last: bool = key(False, train=True, doc="drop each rank's short last micro-batch (the sampler always pads "
                                                  "ranks to equal length)")
     num_workers: int = key(0, train=False, check=at_least(0), doc="DataLoader workers")
+    shard: str = key("auto", train=True, choices=("auto", "none"),
+                     doc="a task's `IterableDataset`: `auto` splits it by rank and loader worker, `none`: the task "
+                         "shards it itself; see [Streams](data.md)")
 
 
 @dataclass(frozen=True, eq=False)

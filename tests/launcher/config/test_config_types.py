@@ -66,8 +66,8 @@ def test_every_key_declares_a_doc_and_a_mark():
 
 # what the checkpoint's hash covers; changing a mark is a decision about old checkpoints, made here on purpose
 HASHED = {
-    "run.seed", "run.epochs", "run.precision", "task.target", "task.args",
-    "data.micro_batch_size", "data.shuffle", "data.drop_last",
+    "run.seed", "run.epochs", "run.precision", "run.max_steps", "task.target", "task.args",
+    "data.micro_batch_size", "data.shuffle", "data.drop_last", "data.shard",
     *(f"accumulation.{k}" for k in ("schedule", "global_batch", "lr_coupling", "unit", "normalize", "uneven",
                                     "nonfinite", "noise_scale", "adaptive")),
     *(f"optimizer.{k}" for k in ("name", "args", "no_decay", "lr", "weight_decay", "momentum", "betas", "eps",
@@ -76,6 +76,10 @@ HASHED = {
     "distributed.backend", "distributed.deepspeed_config", "distributed.fsdp.param_dtype",
     "distributed.fsdp.reduce_dtype",
 }
+
+
+# hashed keys added after that release (at their defaults, they leave its checkpoints' hashes unchanged)
+ADDED_SINCE = {"run.max_steps", "data.shard"}
 
 
 def _paths(config: dict, prefix: str = "") -> set[str]:
@@ -92,7 +96,7 @@ def test_the_hashed_keys_are_the_marked_ones():
     # what the previous release hashed must stay hashed, or a checkpoint of that release made under a non-default
     # value of it would no longer be compared on it
     previous = _paths(PREVIOUS_DDP["config"]) | _paths(PREVIOUS_FSDP["config"])
-    assert previous - {"lr_scheduler"} == HASHED  # (lr_scheduler: null in the FSDP one)
+    assert previous - {"lr_scheduler"} == HASHED - ADDED_SINCE  # (lr_scheduler: null in the FSDP one)
     not_hashed = {"run.output_dir", "data.num_workers", "distributed.timeout_s", "distributed.nproc_per_node",
                   "distributed.nnodes", "checkpoint.dir", "checkpoint.keep_last", "checkpoint.timeout_s",
                   "checkpoint.force_resume", "distributed.fsdp.gradient_sync", "distributed.fsdp.cpu_offload"}
@@ -148,7 +152,8 @@ NON_DEFAULT = {
     "run.seed": ["run.seed=1"], "run.epochs": ["run.epochs=2"], "run.precision": ["run.precision=bf16"],
     "task.target": ["task.target=builtin:charlm"], "task.args": ["task.args={samples: 64}"],
     "data.micro_batch_size": ["data.micro_batch_size=4"], "data.shuffle": ["data.shuffle=false"],
-    "data.drop_last": ["data.drop_last=true"],
+    "data.drop_last": ["data.drop_last=true"], "run.max_steps": ["run.max_steps=100"],
+    "data.shard": ["data.shard=none"],
     "accumulation.schedule": ["accumulation.schedule={0: 1, 2: 2}"],
     "accumulation.global_batch": ["accumulation.global_batch=16"],
     "accumulation.lr_coupling": ["accumulation.lr_coupling=linear"], "accumulation.unit": ["accumulation.unit=step"],
@@ -193,7 +198,8 @@ def test_keys_not_hashed_leave_the_hash_alone():
     assert store.config_hash(config("run.output_dir=elsewhere", "data.num_workers=2", "distributed.timeout_s=60",
                                     "distributed.nproc_per_node=4", "checkpoint.dir=/tmp/ck", "checkpoint.keep_last=5",
                                     "checkpoint.timeout_s=60", "checkpoint.force_resume=true", "logging.progress=none",
-                                    "slurm.partition=gpu", "eval.every_n_steps=5")) == store.config_hash(base)
+                                    "slurm.partition=gpu", "eval.every_n_steps=5",
+                                    "run.compile=true")) == store.config_hash(base)
     assert store.config_hash(config("distributed.backend=fsdp", "distributed.fsdp.gradient_sync=every_micro_batch",
                                     "distributed.fsdp.cpu_offload=true")) == store.config_hash(fsdp)
 
