@@ -13,6 +13,10 @@ callback), and where ``engine.should_stop`` turns True (preemption). The last ma
 stop_at="micro_batch"): then every rank also writes ``window-rank<R>.pt``, its accumulated local gradient and its
 share of the window's counts, and the resume continues that window.
 
+A stream (a task's IterableDataset, launcher/train/streams.py) has no sampler to position: a save inside one of its
+epochs has every rank write ``stream-rank<R>.pt``, its loader's state after the micro-batches trained, and a resume
+loads it back into the same rank's loader (so only on the same world size).
+
 Which checkpoint, and whether it may be resumed, is launcher/checkpoint/resume.py's plan_resume (the same checks
 `accum-sched run` made before launch). Where in the data the run continues is data_position.py; the RNG, rng.py.
 
@@ -115,6 +119,9 @@ class Checkpointer:
         if manifest.partial_window:
             engine_state["window"] = self._load(os.path.join(path, f"window-rank{self.rank}.pt"))["window"]
         self._load_engine(state, engine_state)
+        if manifest.stream:  # this rank's loader position inside the epoch
+            stream = self._load(os.path.join(path, f"stream-rank{self.rank}.pt"))["stream"]
+            self.parts["stream"].load_state_dict(stream, int(engine_state["micro_batch"]))
         step = int(engine_state["optimizer_steps"])
         self.rng.plan(state["rng"], self._mid_epoch(engine_state, manifest), int(engine_state["epoch"]), step)
         self._last_saved = store.step_dir(self.root, step, engine_state["micro_batch"]
@@ -150,7 +157,8 @@ class Checkpointer:
     def _mid_epoch(self, engine_state: dict, manifest: Manifest) -> bool:
         """Saved inside an epoch on this world size: the RNG replays that epoch's loader start (rng.RankRng)."""
         micro = int(engine_state["micro_batch"])
-        return manifest.world_size == self.world and 0 < micro < manifest.batches_per_epoch
+        within = manifest.stream or micro < manifest.batches_per_epoch  # a stream's epoch has no known length
+        return manifest.world_size == self.world and 0 < micro and within
 
     def _load_engine(self, state: dict, engine_state: dict) -> None:
         self.engine.load_state_dict(engine_state)
@@ -198,6 +206,8 @@ class Checkpointer:
                 self._order_loader = redealt_loader(loader, deal(self._order[1], self.world, self.rank))
             loader = self._order_loader
         start = self.engine.resume_offset(epoch)
+        if self.parts["stream"] is not None:  # positioned by its loaded state, if any
+            return self.parts["stream"].epoch(start, self.rng, self.rng.replay(epoch))
         return EpochLoader(loader, self.rng, start, self.rng.replay(epoch), on_iter=self._note_epoch_batches)
 
     def _note_epoch_batches(self, batches: int) -> None:
@@ -235,6 +245,7 @@ class Checkpointer:
         rngs = self.ranks.gather(self.rng.snapshot(), f"gathering RNG states for {tmp}")
         engine_state = engine.state_dict()
         window = engine_state.pop("window", None)  # this rank's open window (a stop inside it): per rank
+        stream = None if self.parts["stream"] is None else self.parts["stream"].state_at(engine.micro_in_epoch)
 
         def write():
             hashed = {}  # what we write is hashed while it is written: no second read at commit
@@ -243,6 +254,10 @@ class Checkpointer:
                 rel = f"window-rank{self.rank}.pt"
                 hashed[rel] = self._write_file(os.path.join(tmp, rel), {"format": store.FORMAT, "rank": self.rank,
                                                                          "window": window})
+            if stream is not None:
+                rel = f"stream-rank{self.rank}.pt"
+                hashed[rel] = self._write_file(os.path.join(tmp, rel), {"format": store.FORMAT, "rank": self.rank,
+                                                                         "stream": stream})
             if self.rank == 0:
                 hashed[store.STATE] = self._write_state(os.path.join(tmp, store.STATE), engine_state, rngs)
             return hashed
@@ -253,21 +268,25 @@ class Checkpointer:
 
         def commit():
             if self.rank == 0:
-                store.commit(tmp, final, self._manifest(step, engine_state, reason, window is not None), hashed)
+                manifest = self._manifest(step, engine_state, reason, window is not None, stream is not None)
+                store.commit(tmp, final, manifest, hashed)
                 store.rotate(self.root, self.cfg.checkpoint.keep_last)
 
         self._together(f"committing {final}", commit)
         self._last_saved = final
         return final
 
-    def _manifest(self, step: int, engine_state: dict, reason: str, partial_window: bool) -> Manifest:
-        batches = self._epoch_batches if self._epoch_batches is not None else len(self._loader)
+    def _manifest(self, step: int, engine_state: dict, reason: str, partial_window: bool, stream: bool) -> Manifest:
+        if self.parts["stream"] is not None:
+            batches = 0  # a stream's epoch has no length known in advance
+        else:
+            batches = self._epoch_batches if self._epoch_batches is not None else len(self._loader)
         return Manifest(
             step=step, epoch=engine_state["epoch"], micro_batch=engine_state["micro_batch"], batches_per_epoch=batches,
             world_size=self.world, factor_scale=self.plan.scale, micro_batch_size=self.cfg.data.micro_batch_size,
             config_hash=self.hash, config=store.training_config(self.cfg), reason=reason,
             **self.parts["backend"].manifest_entries(), skipped_steps=self.engine.skipped_steps,
-            created=time.time(), partial_window=partial_window)
+            created=time.time(), partial_window=partial_window, stream=stream)
 
     def _make_tmp(self, tmp: str) -> None:
         os.makedirs(self.root, exist_ok=True)

@@ -6,7 +6,8 @@ On disk the JSON keys are the field names below, exactly as releases before this
 
 - version 1 (the first checkpoints): no ``partial_window``, no ``version``;
 - version 2 (stops inside an accumulation window): ``partial_window`` added, still no ``version``;
-- version 3 (this module): ``version`` written.
+- version 3: ``version`` written;
+- version 4 (streams): ``stream`` added (False before).
 
 A field a manifest lacks (an older one, or one written by hand in a test) gets the default below.
 """
@@ -16,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 FORMAT = 1  # the on-disk layout (step-N directories, trainer.pt, this manifest); a new one is not readable by old code
-VERSION = 3  # the manifest's fields; older versions are read through migrate()
+VERSION = 4  # the manifest's fields; older versions are read through migrate()
 MANIFEST = "manifest.json"
 
 
@@ -42,6 +43,7 @@ class Manifest:
     skipped_steps: int = 0
     created: float = 0.0  # time.time() at the save
     partial_window: bool = False  # taken inside a window: window-rank<R>.pt hold each rank's open window
+    stream: bool = False  # taken inside an epoch of a stream: stream-rank<R>.pt hold each rank's loader position
     files: dict = field(default_factory=dict)
     format: int = FORMAT
     version: int = VERSION
@@ -82,8 +84,8 @@ def _typed(m: Manifest) -> Manifest:
             batches_per_epoch=int(m.batches_per_epoch), world_size=int(m.world_size), factor_scale=(num, den),
             micro_batch_size=int(m.micro_batch_size), config_hash=str(m.config_hash), config=dict(m.config or {}),
             reason=str(m.reason), deepspeed=bool(m.deepspeed), skipped_steps=int(m.skipped_steps),
-            created=float(m.created), partial_window=bool(m.partial_window), files=dict(m.files or {}),
-            format=int(m.format), version=int(m.version))
+            created=float(m.created), partial_window=bool(m.partial_window), stream=bool(m.stream),
+            files=dict(m.files or {}), format=int(m.format), version=int(m.version))
     except (TypeError, ValueError) as exc:
         raise ManifestError(f"a field has a value of the wrong kind ({exc})") from exc
 

@@ -15,6 +15,8 @@ scaler          the engine back end's GradScaler, or None       ``scaler`` (\\*)
 lr_scheduler    the LR scheduler, or None                       ``lr_scheduler`` (also with DeepSpeed)
 validation      best value and early-stop count, or None        ``eval``
 sampler         the DistributedSampler's epoch (SamplerEpoch)   ``sampler_epoch``
+stream          a stream's loader (launcher/train/streams.py),  ``stream-rank<R>.pt``: each rank's
+                or None for a map-style dataset                 loader position, saved mid-epoch
 backend         the launcher back end (launcher/backends/)      its own sharded files where it has them
 setup           what the back end's setup built (its Setup)     (DeepSpeed: ``deepspeed/``, FSDP2: ``fsdp/``)
 ==============  =============================================  ======================================
@@ -28,7 +30,8 @@ from typing import Protocol
 
 import torch
 
-PARTS = ("engine", "model", "optimizer", "scaler", "lr_scheduler", "validation", "sampler", "backend", "setup")
+PARTS = ("engine", "model", "optimizer", "scaler", "lr_scheduler", "validation", "sampler", "stream", "backend",
+         "setup")
 
 
 class Stateful(Protocol):

@@ -115,6 +115,10 @@ def factor_scale(manifest: Manifest, cfg, world: int, path: str = "") -> tuple[i
         raise ConfigError("checkpoint.on_world_change", f"{what}, and it was taken inside an accumulation window "
                           f"(a preemption): its partial gradients are per worker",
                           f"resume it with {old} workers, or resume from the checkpoint before it")
+    if manifest.stream:
+        raise ConfigError("checkpoint.on_world_change", f"{what}, and it was taken inside an epoch of a stream: "
+                          f"each worker's position in its shard of the stream is its own",
+                          f"resume it with {old} workers, or from a checkpoint taken at an epoch's end")
     if policy == "error":
         raise ConfigError("checkpoint.on_world_change", f"is 'error' and {what}",
                           f"resume with {old} workers, or set checkpoint.on_world_change: keep_global_batch "

@@ -1,10 +1,12 @@
 """Tasks: what to train. `task.target` is "module:function" (or "builtin:NAME"), called with `task.args`.
 
-The function returns a mapping or object with ``model`` (nn.Module), ``dataset`` (map-style Dataset),
-``loss_fn(model, batch) -> (loss_sum, n_elements)`` and optionally ``collate_fn``, ``length_fn(sample) ->
-n_elements`` and ``count_fn(batch) -> n_elements`` (the same count without a forward pass; one of the two is needed
-only to plan LR totals of token-keyed schedules: every sample is counted once, by ``length_fn``, else by ``count_fn``
-of a one-sample batch, so it must add up over samples, as a count of real tokens does), ``val_dataset`` (held-out
+The function returns a mapping or object with ``model`` (nn.Module), ``dataset`` (map-style Dataset, or an
+IterableDataset: a stream, launcher/train/streams.py), ``loss_fn(model, batch) -> (loss_sum, n_elements)`` and
+optionally ``collate_fn``, ``length_fn(sample) -> n_elements`` and ``count_fn(batch) -> n_elements`` (the same
+count without a forward pass; one of the two is needed only to plan LR totals of token-keyed schedules (a stream
+needs only ``count_fn``, for token-keyed schedules themselves): every sample is counted once, by ``length_fn``,
+else by ``count_fn`` of a one-sample batch, so it must add up over samples, as a count of real tokens does),
+``val_dataset`` (held-out
 samples, same form as ``dataset``; evaluated as the config's ``eval`` section says, see launcher/train/evaluate.py),
 ``val_loss_fn`` (default: ``loss_fn``), ``metrics_fn(model, batch) -> {name: (sum, count)}`` (each metric is
 reported as sum / count over the whole set) and ``save_fn(state_dict, output_dir)`` (rank 0 writes the task's own

@@ -8,6 +8,10 @@ Training must not notice: the pass runs under ``torch.no_grad()`` with every sub
 its own mode afterwards) and inside a fork of the RNGs (torch CPU and CUDA, Python, NumPy), so dropout in the
 training that follows draws what it would have drawn without the evaluation.
 
+A stream (an ``IterableDataset``) is already one rank's share (the launcher shards it as for training, by
+``data.shard``): each rank reads its own to the end, and one small all-reduce per batch (how many ranks still have
+one) keeps the forward counts equal, the ranks whose share ended running filler forwards until all have.
+
 Any wrapper whose forward is callable works. DDP is unwrapped (its replicas are identical and its forward would
 broadcast buffers); a forward that communicates (FSDP2 all-gathers, DeepSpeed ZeRO-3) needs every rank to make the
 same number of calls, so a rank whose shard is one batch short runs a discarded forward on a filler batch.
@@ -20,7 +24,7 @@ import random
 import zlib
 
 import torch
-from torch.utils.data import DataLoader, Subset, default_collate
+from torch.utils.data import DataLoader, IterableDataset, Subset, default_collate
 
 from accum_sched import collective
 
@@ -67,6 +71,40 @@ def quiet_eval(model: torch.nn.Module, device: torch.device | None = None):
             np.random.set_state(np_state)
 
 
+def _rounds(dataset, micro: int, collate):
+    """This rank's batches, then None while other ranks still have some: as many items on every rank."""
+    rank, world = collective.rank(), collective.world_size()
+    if not isinstance(dataset, IterableDataset):
+        n = len(dataset)
+        loader = DataLoader(Subset(dataset, shard(n, rank, world)), batch_size=micro, shuffle=False,
+                            collate_fn=collate)
+        batches = iter(loader)
+        for _ in range(batches_per_rank(n, world, micro)):
+            yield next(batches, None)
+        return
+    batches = iter(DataLoader(dataset, batch_size=micro, collate_fn=collate))
+    while True:
+        batch = next(batches, None)
+        if world > 1:  # how many ranks have a batch this round (blocking: evaluation is not the hot loop)
+            have = torch.tensor([float(batch is not None)], device=collective.comm_device())
+            collective.all_sum(have)
+            if have.item() == 0:
+                return
+        elif batch is None:
+            return
+        yield batch
+
+
+def _filler(dataset, collate):
+    """A batch to run (and discard) where this rank's share is short: its first sample, or a stream's first."""
+    if not isinstance(dataset, IterableDataset):
+        return collate([dataset[0]])
+    for source in (dataset, getattr(dataset, "dataset", dataset)):  # a launcher ShardedStream wraps the task's
+        for sample in source:
+            return collate([sample])
+    raise ValueError("the validation stream is empty on every shard; no batch to evaluate")
+
+
 def _as_float64(value, device) -> torch.Tensor:
     return torch.as_tensor(value).detach().to(device=device, dtype=torch.float64).reshape(())
 
@@ -79,11 +117,6 @@ def evaluate(model, dataset, loss_fn, *, micro_batch_size: int, collate_fn=None,
     training; ``move(batch)`` puts a batch on the device; ``autocast()`` the training precision's context.
     Collective: call on every rank at the same point.
     """
-    rank, world = collective.rank(), collective.world_size()
-    n = len(dataset)
-    mine = Subset(dataset, shard(n, rank, world))
-    loader = DataLoader(mine, batch_size=micro_batch_size, shuffle=False, collate_fn=collate_fn or default_collate)
-    rounds = batches_per_rank(n, world, micro_batch_size)
     move = move or (lambda b: b)
     autocast = autocast or contextlib.nullcontext
     where = device or torch.device("cpu")
@@ -93,13 +126,11 @@ def evaluate(model, dataset, loss_fn, *, micro_batch_size: int, collate_fn=None,
     metric_sums: dict[str, list[torch.Tensor]] = {}
     filler = None
     with quiet_eval(net, device):
-        batches = iter(loader)
-        for _ in range(rounds):
-            batch = next(batches, None)
+        for batch in _rounds(dataset, micro_batch_size, collate_fn or default_collate):
             real = batch is not None
             if not real:  # this shard is a batch short: same forward count as the others, nothing counted
                 if filler is None:
-                    filler = (collate_fn or default_collate)([dataset[0]])
+                    filler = _filler(dataset, collate_fn or default_collate)
                 batch = filler
             batch = move(batch)
             with autocast():
@@ -115,6 +146,7 @@ def evaluate(model, dataset, loss_fn, *, micro_batch_size: int, collate_fn=None,
                 acc = metric_sums.setdefault(name, [torch.zeros((), dtype=torch.float64, device=where)] * 2)
                 acc[0] = acc[0] + _as_float64(value, where)
                 acc[1] = acc[1] + _as_float64(weight, where)
+    rank, world = collective.rank(), collective.world_size()
     names = sorted(metric_sums)
     if "val_loss" in names or "val_elements" in names:
         raise ValueError("metrics_fn returned a metric named val_loss or val_elements; rename it")

@@ -33,14 +33,15 @@ class Progress:
     def step(self, info, effective_batch) -> None:
         if self.mode == "none":
             return
-        text = (f"epoch {info.epoch} of 0-{self.epochs - 1}  step {info.step}/{self.total}  loss {info.loss:.4f}  "
+        of = f"/{self.total}" if self.total else ""  # no total: a stream without run.max_steps
+        text = (f"epoch {info.epoch} of 0-{self.epochs - 1}  step {info.step}{of}  loss {info.loss:.4f}  "
                 f"factor {info.factor}  eff.batch {effective_batch}  lr {info.lr:.3g}")
         if self.mode == "bar":
             now = time.monotonic()
             if now - self._drawn < 0.1 and info.step != self.total:
                 return  # at most ten redraws a second: fast steps would spend their time on the terminal
             self._drawn = now
-            done = int(30 * info.step / max(1, self.total))
+            done = min(30, int(30 * info.step / self.total)) if self.total else 0
             self.stream.write(f"\r[{'#' * done}{'.' * (30 - done)}] {text}\x1b[K")
             self.stream.flush()
         elif info.step % self.log_every == 0 or info.step == self.total:

@@ -12,7 +12,9 @@ import time
 
 import torch
 
+from accum_sched import collective
 from launcher.errors import ConfigError
+from launcher.train import streams
 from launcher.train.evaluate import evaluate
 
 EVAL_FILE = "eval.jsonl"
@@ -30,6 +32,10 @@ class Validation:
         self.path = os.path.join(run_dir, EVAL_FILE)
         self.best_path = os.path.join(run_dir, BEST_FILE)
         self.start = start
+        self.dataset = task.val_dataset
+        if streams.is_stream(self.dataset):  # this rank's share, as the training stream is sharded (data.shard)
+            self.dataset = streams.ShardedStream(self.dataset, rank, collective.world_size(),
+                                                 split=cfg.data.shard == "auto")
         stop = cfg.eval.early_stop
         self.patience = None if stop is None else int(stop["patience"])
         self.min_delta = 0.0 if stop is None else float(stop.get("min_delta", 0.0))
@@ -53,7 +59,7 @@ class Validation:
     def run(self, epoch: int, step: int) -> dict:
         """Evaluate, log, keep the best model, update the early-stop count. Collective."""
         task = self.task
-        result = evaluate(self.model, task.val_dataset, task.val_loss_fn or task.loss_fn,
+        result = evaluate(self.model, self.dataset, task.val_loss_fn or task.loss_fn,
                           micro_batch_size=self.micro, collate_fn=task.collate_fn, metrics_fn=task.metrics_fn,
                           move=self.move, autocast=self.autocast, device=self.device)
         monitor = self.section.monitor

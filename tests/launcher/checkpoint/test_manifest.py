@@ -44,11 +44,11 @@ def config(tmp_path, **sections):
 
 def test_round_trip_keeps_the_keys_on_disk_and_adds_version():
     m = migrate(V2)
-    assert m.to_dict().keys() == V1_KEYS | {"partial_window", "version"}
+    assert m.to_dict().keys() == V1_KEYS | {"partial_window", "version", "stream"}
     assert Manifest.from_dict(json.loads(json.dumps(m.to_dict()))) == m
     assert m.factor_scale == (1, 1) and m.to_dict()["factor_scale"] == [1, 1]
     assert m["step"] == 9 and m.get("missing", 5) == 5  # the dict-style reads of older callers still work
-    with pytest.raises(ManifestError, match="lacks partial_window, version"):
+    with pytest.raises(ManifestError, match="lacks partial_window, stream, version"):
         Manifest.from_dict(V1)  # from_dict is strict: an older one goes through migrate
 
 
@@ -99,6 +99,11 @@ def test_old_manifests_on_disk_are_found_and_newer_ones_are_refused(tmp_path):
         store.find(root, newer)
 
 
+def test_a_version_3_manifest_migrates_to_one_without_stream_state():
+    v3 = migrate(dict(V2, version=3))
+    assert (v3.version, v3.stream, v3.partial_window, v3.micro_batch) == (VERSION, False, True, 11)
+
+
 def test_a_committed_manifest_has_the_old_keys_plus_version(tmp_path):
     tmp = str(tmp_path / "step-00000004.tmp")
     os.makedirs(tmp)
@@ -107,7 +112,8 @@ def test_a_committed_manifest_has_the_old_keys_plus_version(tmp_path):
     store.commit(tmp, str(tmp_path / "step-00000004"), Manifest(step=4, world_size=2, reason="epoch"))
     with open(tmp_path / "step-00000004" / MANIFEST) as f:
         raw = json.load(f)
-    assert raw.keys() == V1_KEYS | {"partial_window", "version"} and raw["version"] == VERSION
+    assert raw.keys() == V1_KEYS | {"partial_window", "version", "stream"} and raw["version"] == VERSION
+    assert raw["stream"] is False
     assert raw["files"] == V1["files"] and raw["factor_scale"] == [1, 1]
 
 
