@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node 2 bench/ab.py [--model 1M] [--factors 1,4,8] [--rounds 16]
     torchrun --standalone --nproc_per_node 2 bench/ab.py --deepspeed 2     # engine + DeepSpeed vs DeepSpeed alone
+    torchrun --standalone --nproc_per_node 2 bench/ab.py --factors 1,4 --baseline engine --variants compiled,engine2
 
 A finer instrument than bench/run.py for the engine's own overhead. Every variant shares the processes, the data
 and the machine's load. Each round trains one epoch of every variant per factor, interleaved **window by window**:
@@ -26,6 +27,11 @@ overlapping the last backward), ``hand_hook`` (the baseline with the library's c
 torch's Python allreduce hook: that one divides every bucket by the world size, one more pass). ``--deepspeed
 STAGE``: ``alone`` (baseline: DeepSpeed's own GAS, step() every micro-batch), ``alone2`` (the same again) and
 ``engine`` (accum_sched driving the same DeepSpeed configuration).
+
+torch.compile (``run.compile``): ``compiled`` is ``engine`` with the model's forward compiled in place, as
+`accum-sched run` does it (launcher/train/compile.py), before the DDP wrap; ``engine2`` is ``engine`` again. With
+``--baseline engine`` the ratios read compiled against eager. Each round compiles the fresh model again; that lands
+in the untimed warm-up epoch (every micro-batch of the workload is full, so nothing recompiles later).
 """
 from __future__ import annotations
 
@@ -124,7 +130,7 @@ def build_variants(args, w: Workload, schedule: dict, order: random.Random) -> t
     """(baseline name, {name: variant}) in the order given; built in an order shuffled by ``order`` (seeded the same
     on every rank)."""
     wanted = args.variants.split(",")
-    baseline = "alone" if args.deepspeed is not None else "hand"
+    baseline = args.baseline or ("alone" if args.deepspeed is not None else "hand")
     names = [baseline] + [n for n in wanted if n != baseline]
     built = {name: None for name in names}
     for name in order.sample(names, len(names)):
@@ -150,15 +156,20 @@ def build_variant(name: str, args, w: Workload, schedule: dict):
 
             ddp.register_comm_hook(CountingState(), counting_allreduce)
         return HandWritten(ddp, make_optimizer(w, model.parameters()))
-    if name in ENGINE_KWARGS:
+    if name in ENGINE_KWARGS or name == "compiled":
         model = build_model(w.model)
+        if name == "compiled":
+            from launcher.train.compile import compile_module
+
+            compile_module(model, {})
         return Engine(AccumulationEngine(DDP(model, bucket_cap_mb=args.bucket_cap_mb),
                                          make_optimizer(w, model.parameters()), schedule, micro_batch_size=w.micro,
-                                         **ENGINE_KWARGS[name]))
-    raise SystemExit(f"--variants: unknown variant {name!r} (hand2, hand_hook, {', '.join(ENGINE_KWARGS)})")
+                                         **ENGINE_KWARGS.get(name, {})))
+    raise SystemExit(f"--variants: unknown variant {name!r} (hand2, hand_hook, compiled, {', '.join(ENGINE_KWARGS)})")
 
 
-ENGINE_KWARGS = {"engine": {}, "engine_norm": {"norm_every": 1}, "engine_nohook": {"count_allreduce": False}}
+ENGINE_KWARGS = {"engine": {}, "engine2": {}, "engine_norm": {"norm_every": 1},
+                 "engine_nohook": {"count_allreduce": False}}
 
 
 def run_epoch(variants: dict, loader, factor: int, epoch: int, batches: int, order: random.Random) -> tuple[dict, dict]:
@@ -193,6 +204,8 @@ def main() -> None:
     parser.add_argument("--variants", default="engine,hand2")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--deepspeed", type=int, default=None, metavar="STAGE")
+    parser.add_argument("--baseline", default=None, help="the variant the others are timed against (default: hand, "
+                        "or alone with --deepspeed)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.deepspeed is not None:

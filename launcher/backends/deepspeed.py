@@ -400,6 +400,10 @@ class DeepSpeedBackend(LauncherBackend):
         if cfg.distributed.deepspeed_config is None:
             raise ConfigError(FIELD, "is required with backend: deepspeed",
                               "give the path of a DeepSpeed JSON file or an inline mapping")
+        if cfg.run.compile is not False:  # the engine owns the module and its ZeRO hooks; not measured compiled
+            raise ConfigError("run.compile", "is not supported with distributed.backend: deepspeed (its engine "
+                              "wraps the module and drives the ZeRO partition hooks itself)",
+                              "set run.compile: false, or use distributed.backend: ddp or fsdp")
         from launcher.config.noise import measuring_field  # torch-free, imports nothing of ours back
 
         field = measuring_field(cfg.accumulation)

@@ -23,7 +23,7 @@ from launcher.checkpoint.checkpointer import Checkpointer
 from launcher.checkpoint.parts import SamplerEpoch
 from launcher.config import Config
 from launcher.errors import ConfigError
-from launcher.train import coordination
+from launcher.train import coordination, streams
 from launcher.train.metrics import MetricsWriter, Progress, atomic_write_json
 from launcher.train.optim import build_lr_scheduler, build_optimizer
 from launcher.train.preempt import requeue
@@ -98,7 +98,21 @@ def adaptive_settings(cfg: Config) -> dict | None:
 
 
 def plan_total_steps(schedule, loader, sampler, task, cfg: Config, world: int) -> int:
-    """Exact optimizer steps of the run, for LR schedulers and progress, under every schedule unit.
+    """Optimizer steps of the run, for LR schedulers and progress: exact for a map-style dataset (under every
+    schedule unit), at most ``run.max_steps``; for a stream, ``run.max_steps`` (its length is not known ahead)."""
+    max_steps = cfg.run.max_steps
+    if streams.is_stream(task.dataset):
+        if max_steps is None and cfg.lr_scheduler is not None and cfg.lr_scheduler.name != "constant":
+            raise ConfigError("run.max_steps", f"is null, but the task's dataset is a stream, whose steps are not "
+                              f"known ahead, and lr_scheduler {cfg.lr_scheduler.name} decays over the run's total",
+                              "set run.max_steps (the scheduler decays over it), or use lr_scheduler: constant")
+        return max_steps or 0
+    total = _map_style_steps(schedule, loader, sampler, task, cfg, world)
+    return total if max_steps is None else min(total, max_steps)
+
+
+def _map_style_steps(schedule, loader, sampler, task, cfg: Config, world: int) -> int:
+    """Exact optimizer steps of ``run.epochs`` epochs over a map-style dataset, under every schedule unit.
 
     Samples per micro-step are known from the sharding (DistributedSampler gives every rank the same count);
     tokens come from one pass over the dataset, shared by the ranks (launcher/train/plan.py), then from indices alone.
@@ -157,8 +171,11 @@ class Trainer:
     # -- building ---------------------------------------------------------------------------------------------
     def _make_loader(self):
         """This rank's sampler and loader. ResumeSampler: a resume starts the loader at the resume point (only
-        indices are skipped; the engine is told skip=False)."""
+        indices are skipped; the engine is told skip=False). A stream (IterableDataset): its sharded loader, whose
+        state a checkpoint saves (launcher/train/streams.py), and its epoch for the sampler part."""
         cfg, task = self.cfg, self.task
+        if streams.is_stream(task.dataset):
+            return streams.build(task, cfg, self.rank, self.world, pin_memory=self.device.type == "cuda")
         sampler = DistributedSampler(task.dataset, num_replicas=self.world, rank=self.rank,
                                      shuffle=cfg.data.shuffle, seed=cfg.run.seed, drop_last=False)
         loader = DataLoader(task.dataset, batch_size=cfg.data.micro_batch_size, sampler=ResumeSampler(sampler),
@@ -202,16 +219,17 @@ class Trainer:
         self._resume()
         self._open_outputs()
         self.engine.on_step(self._after_step)  # the only callback: the step's order is written there
-        for epoch in range(self.engine.epoch_index, self.cfg.run.epochs if not self.early_stopped else 0):
+        last = self.cfg.run.epochs if not (self.early_stopped or self._reached_max_steps()) else 0
+        for epoch in range(self.engine.epoch_index, last):
             began = time.time()
             self.sampler.set_epoch(epoch)
             self.engine.train_epoch(self.checkpointer.loader(epoch, self.loader), self.loss_fn, epoch, skip=False)
-            if self.engine.should_stop:  # preempted or stopped early at a step: that step is saved already
+            if self.engine.should_stop:  # preempted, stopped early or at max_steps: that step is saved already
                 break
             self._after_epoch(epoch, began)
             if self.early_stopped:
                 break
-        if self.engine.should_stop and not self.early_stopped:
+        if self.engine.should_stop and not (self.early_stopped or self._reached_max_steps()):
             self.stop_for_preemption()
         else:
             self.finish()
@@ -231,9 +249,11 @@ class Trainer:
         os.makedirs(self.run_dir, exist_ok=True)
         self.metrics = MetricsWriter(self.run_dir, cfg.logging.tensorboard, self.start)
         self.progress = Progress(cfg.logging.progress, cfg.run.epochs, self.total_steps, cfg.logging.log_every)
-        print(f"accum-sched: world {self.world}, {len(self.loader)} micro-batches of "
+        per_epoch = "a stream of" if streams.is_stream(self.task.dataset) else len(self.loader)
+        steps = self.total_steps or "unplanned"
+        print(f"accum-sched: world {self.world}, {per_epoch} micro-batches of "
               f"{cfg.data.micro_batch_size} per rank per epoch, {cfg.run.epochs} epochs, "
-              f"{self.total_steps} optimizer steps, " + (
+              f"{steps} optimizer steps, " + (
                   f"schedule {self.schedule.to_dict()}" if self.adaptive is None else
                   f"adaptive factor {self.adaptive['min_factor']}..{self.adaptive['max_factor']} (at most "
                   f"that many steps)"), flush=True)
@@ -243,10 +263,11 @@ class Trainer:
 
         1. the step's metrics.jsonl line and progress (rank 0);
         2. evaluation when due; early stopping sets ``engine.should_stop`` (same numbers on every rank);
-        3. the checkpoint: every ``checkpoint.every_n_steps`` steps, and whenever the engine is to stop (early stop
-           above, or the ranks' agreed preemption), so that a stop always has its step saved;
-        4. the stop itself: with ``should_stop`` set the engine leaves the epoch after this callback and fit()
-           finishes (early stop) or answers the preemption.
+        3. ``run.max_steps`` reached: ``engine.should_stop`` (the same step on every rank);
+        4. the checkpoint: every ``checkpoint.every_n_steps`` steps, and whenever the engine is to stop (early stop
+           or max_steps above, or the ranks' agreed preemption), so that a stop always has its step saved;
+        5. the stop itself: with ``should_stop`` set the engine leaves the epoch after this callback and fit()
+           finishes (early stop, max_steps) or answers the preemption.
         """
         if self.metrics is not None:
             self.metrics.write(info, self.engine.effective_batch)
@@ -255,7 +276,12 @@ class Trainer:
             self.validate(info.epoch)
             if self.early_stopped:
                 self.engine.should_stop = True  # ends the epoch's loop after this step, on every rank
+        if self._reached_max_steps():
+            self.engine.should_stop = True
         self.checkpointer.on_step(info)
+
+    def _reached_max_steps(self) -> bool:
+        return self.cfg.run.max_steps is not None and self.engine.optimizer_steps >= self.cfg.run.max_steps
 
     def _after_epoch(self, epoch: int, began: float) -> None:
         """At an epoch end (not stopped): evaluation when due, the epoch's checkpoint, its progress line."""
@@ -279,7 +305,8 @@ class Trainer:
         """What a checkpoint saves and restores of this trainer, by name (launcher/checkpoint/parts.py)."""
         return {"engine": self.engine, "model": self.model, "optimizer": self.optimizer,
                 "scaler": self.engine.backend.scaler, "lr_scheduler": self.lr_scheduler,
-                "validation": self.validation, "sampler": SamplerEpoch(self.sampler), "backend": self.backend,
+                "validation": self.validation, "sampler": SamplerEpoch(self.sampler),
+                "stream": self.loader if streams.is_stream(self.task.dataset) else None, "backend": self.backend,
                 "setup": self.setup}
 
     def stop_for_preemption(self) -> None:
@@ -315,6 +342,8 @@ class Trainer:
         if self.task.save_fn is not None:  # the task's own export (e.g. a save_pretrained directory)
             self.task.save_fn(state, self.run_dir)
         last = self.engine.last_step
+        from launcher.train.compile import compile_stats  # run.compile's summary fields (null when eager)
+
         summary = {
             "world_size": self.world, "epochs": self.cfg.run.epochs, "completed_epochs": self.engine.epoch_index,
             "optimizer_steps": counters["optimizer_steps"], "skipped_steps": counters["skipped_steps"],
@@ -325,7 +354,8 @@ class Trainer:
             "allreduce_rounds": counters["allreduce_rounds"], "final_loss": None if last is None else last.loss,
             "final_factor": counters["factor"], "effective_batch": counters["effective_batch"],
             "wall_seconds": round(time.time() - self.start, 3), "backend": self.cfg.distributed.backend,
-            "stopped_early": bool(self.engine.should_stop or self.early_stopped),
+            "stopped_early": bool((self.engine.should_stop and not self._reached_max_steps()) or self.early_stopped),
+            **compile_stats(self.model),
         }
         if self.validation is not None:
             summary.update(self.validation.summary())
