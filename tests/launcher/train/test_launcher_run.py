@@ -198,3 +198,44 @@ def test_fresh_run_moves_old_checkpoints_aside(regression_run):
     aside = [p for p in os.listdir(out / "checkpoints") if p.startswith("superseded-")]
     assert len(aside) == 1 and os.listdir(out / "checkpoints" / aside[0]), os.listdir(out / "checkpoints")
     assert "moved" in proc.stderr and len(read_metrics(out)) == 13 + 7  # the second run's steps only (1 rank)
+
+
+def test_max_steps_ends_a_map_style_run_inside_an_epoch_and_is_the_lr_total(tmp_path):
+    """run.max_steps: 9 of the 4 epochs' 7 + 4 + 3 + 3 steps: epoch 0 (factor 1, 7 steps) and 2 steps of epoch 1
+    (factor 2); a linear LR decay spans those 9 steps (the total is min(planned, max_steps)); the run finishes
+    normally (stopped_early false) with a checkpoint at step 9."""
+    cfg = tmp_path / "reg.yaml"
+    cfg.write_text(REGRESSION.format(out=tmp_path / "run").replace("epochs: 4}", "epochs: 4, max_steps: 9}").replace(
+        "lr_scheduler: null", "lr_scheduler: {name: linear, min_lr: 0.0}"))
+    proc = accum("run", str(cfg))
+    lines = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in lines] == list(range(1, 10))
+    assert [m["factor"] for m in lines] == [1] * 7 + [2] * 2
+    # LambdaLR: the LR of step s (1-based) is base x (1 - (s - 1) / 9)
+    assert [round(m["lr"], 9) for m in lines] == [round(0.05 * (1 - s / 9), 9) for s in range(9)]
+    with open(tmp_path / "run" / "summary.json") as f:
+        summary = json.load(f)
+    assert (summary["optimizer_steps"], summary["stopped_early"], summary["completed_epochs"]) == (9, False, 1)
+    assert "step-00000009" in os.listdir(tmp_path / "run" / "checkpoints")
+    assert "9 optimizer steps" in proc.stdout
+    torch.manual_seed(0)
+    task = regression(samples=200)
+    model, data = task["model"], task["dataset"]
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / 9)
+    steps = 0
+    for epoch, factor in ((0, 1), (1, 2)):
+        shards = launcher_shards(data, 2, 16, epoch)
+        for start in range(0, len(shards[0]), factor):
+            if steps == 9:
+                break
+            idx = [i for r in range(2) for b in shards[r][start:start + factor] for i in b]
+            loss = ((model(data.tensors[0][idx]) - data.tensors[1][idx]) ** 2).mean(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            steps += 1
+    trained = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(trained[k], v, atol=1e-5, rtol=0)

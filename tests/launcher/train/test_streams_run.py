@@ -336,3 +336,31 @@ def test_an_endless_stream_under_fsdp2_matches_the_reference(tmp_path):
     assert model.keys() == reference.keys()
     for k in model:
         torch.testing.assert_close(model[k], reference[k], atol=1e-5, rtol=0, msg=k)
+
+
+def test_data_shard_none_leaves_the_sharding_to_the_task(tmp_path):
+    """builtin:stream_lm cutting its own stream by rank (shard_by_rank, data.shard: none) trains what the
+    launcher's auto sharding trains; data.shard: none with a stream the task does not shard gives every rank the
+    whole stream (a reference with both ranks reading all documents)."""
+    docs = write_docs(tmp_path)
+    auto = LM.replace("ARGS", LM_ARGS.replace("DOCS", docs)).replace("NPROC", "2")
+    accum("run", write(tmp_path, "auto", auto), env={"RECORD_DIR": str(tmp_path / "rec-auto")})
+    own = LM.replace("ARGS", LM_ARGS.replace("DOCS", docs).replace("}", ", shard_by_rank: true}"))
+    own = own.replace("NPROC", "2").replace("data: {micro_batch_size: 3}", "data: {micro_batch_size: 3, shard: none}")
+    accum("run", write(tmp_path, "own", own), env={"RECORD_DIR": str(tmp_path / "rec-own")})
+    for a, b in zip(per_rank_params(tmp_path / "rec-own", 2), per_rank_params(tmp_path / "rec-auto", 2)):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    whole = own.replace(", shard_by_rank: true", "")
+    accum("run", write(tmp_path, "whole", whole), env={"RECORD_DIR": str(tmp_path / "rec-whole")})
+    seed_all(0)  # each rank reads every document: every window holds each micro-batch twice
+    task = stream_tasks.builtin_stream_lm.stream_lm(files=[docs], seq_len=12, d_model=16, n_heads=2, n_layers=1)
+    model = task["model"]
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    samples = list(TokenStream([docs], seq_len=12))
+    batches = [default_collate(samples[i:i + MICRO]) for i in range(0, len(samples), MICRO)]
+    for factor in (2, 3):
+        for start in range(0, len(batches), factor):
+            window = batches[start:start + factor]
+            sgd_window(model, opt, window + window, stream_tasks.builtin_stream_lm.loss_fn)
+    assert_all_ranks_match(tmp_path / "rec-whole", 2, model.state_dict())
