@@ -155,13 +155,17 @@ class AccumulationEngine:
         gradient_sync: FSDP2 models only: ``"boundary"`` (default; one reduce-scatter per optimizer step, unsharded
             gradients held inside the window) or ``"every_micro_batch"`` (reduce-scatter each micro-batch into
             sharded gradients; less memory, more traffic). See accum_sched/backends/fsdp.py.
+        read_ahead: streams only (a loader without ``len()``): micro-batches read ahead per end-agreement
+            all-reduce (accum_sched/streams.py): an epoch of ``n`` costs ``1 + (n - 1) // read_ahead`` small
+            asynchronous all-reduces and holds at most ``read_ahead + 1`` micro-batches ahead. Default 4.
     """
 
     def __init__(self, model, optimizer=None, schedule=1, *, lr_scheduler=None, max_grad_norm: float | None = None,
                  normalize: str = "elements", uneven: str = "truncate", nonfinite: str = "skip",
                  precision: str = "fp32", micro_batch_size: int | None = None, count_allreduce: bool = True,
                  lr_coupling: str = "none", noise_scale: bool = False, adaptive=None, stop_at: str = "boundary",
-                 norm_every: int | None = None, gradient_sync: str = "boundary"):
+                 norm_every: int | None = None, gradient_sync: str = "boundary",
+                 read_ahead: int = streams.READ_AHEAD):
         for name, value, allowed in (("normalize", normalize, NORMALIZE), ("uneven", uneven, UNEVEN),
                                      ("nonfinite", nonfinite, NONFINITE), ("precision", precision, PRECISION),
                                      ("lr_coupling", lr_coupling, LR_COUPLING), ("stop_at", stop_at, STOP_AT)):
@@ -189,6 +193,9 @@ class AccumulationEngine:
         self.lr_coupling = lr_coupling
         self.micro_batch_size = micro_batch_size
         self.norm_every = norm_every
+        if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 1:
+            raise ValueError(f"read_ahead={read_ahead!r} must be an int >= 1")
+        self.read_ahead = read_ahead
         # fp16: torch back ends run a GradScaler (backend.scaler); DeepSpeed's fp16 brings its own loss scaler
         self.backend = make_backend(model, optimizer, lr_scheduler, precision=precision,
                                     count_allreduce=count_allreduce, gradient_sync=gradient_sync)
@@ -320,8 +327,9 @@ class AccumulationEngine:
         ``loader`` may be a stream (an iterable without ``len()``, e.g. over an ``IterableDataset``): the epoch then
         ends where the shortest rank's stream ends (``uneven='error'`` raises on every rank instead), and a window
         the end cuts short is stepped at its real size. The ranks agree on the end as it comes, without waiting:
-        the engine reads two micro-batches ahead and sums one small flag asynchronously per micro-batch read
-        (:mod:`accum_sched.streams`; :attr:`stream_collectives` counts them). ``num_batches``, where given, is
+        the engine reads up to ``read_ahead + 1`` micro-batches ahead and sums their has-flags in one small
+        asynchronous all-reduce per ``read_ahead`` reads (:mod:`accum_sched.streams`; :attr:`stream_collectives`
+        counts them). ``num_batches``, where given, is
         the length instead (agreed once at the epoch's start, as ``len()`` is).
 
         Resuming mid-epoch (after :meth:`load_state_dict`), the first :meth:`resume_offset` micro-batches of the
@@ -382,7 +390,8 @@ class AccumulationEngine:
             for _ in range(start):  # trained before the checkpoint: loaded and dropped
                 if next(iterator, _END) is _END:
                     break
-        reader = streams.StreamReader(iterator, uneven=self.uneven, context=f"epoch {epoch}")
+        reader = streams.StreamReader(iterator, uneven=self.uneven, context=f"epoch {epoch}",
+                                      read_ahead=self.read_ahead)
         self.stream_collectives += reader.collectives
         consumed = start if self._win_start is None else self._win_start
         self._win_start = None

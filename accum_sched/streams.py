@@ -2,14 +2,15 @@
 or not, on every rank alike.
 
 The epoch of a stream ends where the shortest rank's stream ends. Whether micro-batch ``i`` is the last must be known
-before its forward (it decides the gradient-sync context and the window's boundary), so the reader keeps two
-micro-batches read ahead: when ``i`` is handed out, ``i + 1`` is already held and ``i + 2`` is read then. Each read
-is followed by one small asynchronous all-reduce (MAX of ``[has, -has]``, int64 on the side gloo group, CPU
-tensors: no device sync under NCCL) that tells every rank whether all ranks, or only some, have that micro-batch;
-the first one covers the first two reads. The answer for ``i + 1`` is waited for when ``i`` is handed out; it was
-started one micro-batch earlier, so it ran while ``i - 1`` computed. So an epoch of ``n >= 1`` micro-batches costs
-``n`` such collectives (``n + 1`` reads: the last one finds the end), and a loader whose length is known costs none
-(the map-style path agrees on the length once per epoch).
+before its forward (it decides the gradient-sync context and the window's boundary), so the reader keeps micro-batches
+read ahead, ``read_ahead`` (R) of them at a time: it starts with R + 1 reads, and whenever what it holds drops to one
+micro-batch it reads R more. Each batch of reads is followed by one small asynchronous all-reduce (MAX of ``[has,
+-has]`` per read, int64 on the side gloo group, CPU tensors: no device sync under NCCL) that tells every rank whether
+all ranks, or only some, have each of those micro-batches. The answer for ``i + 1`` is waited for when ``i`` is
+handed out; it was started at least one micro-batch earlier, so it ran while that one computed. So an epoch of
+``n >= 1`` micro-batches costs ``1 + (n - 1) // R`` such collectives (``n`` at R = 1) and holds at most R + 1
+micro-batches ahead; a loader whose length is known costs none (the map-style path agrees on the length once per
+epoch). The engine's default is :data:`READ_AHEAD`.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from accum_sched import collective
 
+READ_AHEAD = 4  # the engine's default: one end-agreement all-reduce per 4 micro-batches, 5 held at most
 UNEVEN_HINT = ("give every rank a stream of the same length (shard it evenly) or set uneven='truncate', which "
                "ends the epoch where the shortest stream ends")
 
@@ -29,10 +31,14 @@ UNEVEN_HINT = ("give every rank a stream of the same length (shard it evenly) or
 class StreamReader:
     """``next()`` gives ``(batch, last)``, ``last`` True on every rank for the epoch's final micro-batch; None once
     the epoch is over. ``uneven``: 'truncate' (warn once on rank 0, end at the shortest) or 'error' (raise
-    :class:`accum_sched.collective.RankDisagreement` on every rank at the first micro-batch some rank lacks)."""
+    :class:`accum_sched.collective.RankDisagreement` on every rank at the first micro-batch some rank lacks).
+    ``read_ahead``: micro-batches read per all-reduce (see the module's doc)."""
 
-    def __init__(self, iterator: Iterator, *, uneven: str = "truncate", context: str = ""):
+    def __init__(self, iterator: Iterator, *, uneven: str = "truncate", context: str = "", read_ahead: int = 1):
+        if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 1:
+            raise ValueError(f"read_ahead={read_ahead!r} must be an int >= 1")
         self._it = iterator
+        self._chunk = read_ahead
         self._exhausted = False
         self._uneven = uneven
         self._context = context
@@ -43,7 +49,7 @@ class StreamReader:
         self.read = 0  # micro-batches this rank has taken from the iterator
         self.collectives = 0  # asynchronous all-reduces started
         self._index = 0  # of the next micro-batch handed out
-        self._fill(2)
+        self._fill(read_ahead + 1)
 
     def _fill(self, count: int) -> None:
         """Read ``count`` micro-batches (None past the end) and start one all-reduce of their has-flags."""
@@ -86,8 +92,8 @@ class StreamReader:
         self._index += 1
         if last:
             self.close()
-        else:
-            self._fill(1)
+        elif len(self._ahead) <= 1:  # only the next one left: read the following ones, flags in flight meanwhile
+            self._fill(self._chunk)
         return batch, last
 
     def close(self) -> None:
@@ -98,7 +104,7 @@ class StreamReader:
 
 
 class _Flags:
-    """The has-flags of one or two reads, MAX-reduced over ranks (asynchronously where there are ranks)."""
+    """The has-flags of a batch of reads, MAX-reduced over ranks (asynchronously where there are ranks)."""
 
     def __init__(self, flags: torch.Tensor, group):
         self.flags = flags

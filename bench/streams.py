@@ -3,13 +3,14 @@
     torchrun --standalone --nproc_per_node 2 bench/streams.py [--model 1M] [--factors 1,4] [--rounds 12]
 
 ``sized``: a list of micro-batches (``len()`` known: the epoch's length is agreed once, no per-micro-batch
-collective); ``stream``: a generator over the same list (the engine's stream path: two micro-batches read ahead,
-one small asynchronous all-reduce per micro-batch on the side gloo group, accum_sched/streams.py); ``sized2``: the
-first again (an A/A row: the instrument's own noise). Same processes, data, model and DDP set-up; each round trains
-one epoch of every variant per factor in an order shuffled per round (the same on both ranks), every variant from
-the same initial weights; the first round is a warm-up and is dropped. Printed: median [min-max] of the per-round
-ratio sized epoch time / variant epoch time (1.0 = free; below 1 = slower), and the stream collectives the engine
-counted per epoch. Rank 0 prints.
+collective); ``stream``: a generator over the same list (the engine's stream path at its default read-ahead R = 4:
+one small asynchronous all-reduce per 4 micro-batches on the side gloo group, accum_sched/streams.py); ``stream1``:
+the same at R = 1 (one all-reduce per micro-batch, two micro-batches held ahead); ``sized2``: the first again (an
+A/A row: the instrument's own noise). Same processes, data, model and DDP set-up; each round trains one epoch of
+every variant per factor in an order shuffled per round (the same on both ranks), every variant from the same
+initial weights; the first round is a warm-up and is dropped. Printed: median [min-max] of the per-round ratio
+sized epoch time / variant epoch time (1.0 = free; below 1 = slower), and the stream collectives the engine counted
+per epoch. Rank 0 prints.
 """
 from __future__ import annotations
 
@@ -28,13 +29,14 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from accum_sched import AccumulationEngine  # noqa: E402
+from accum_sched.streams import READ_AHEAD  # noqa: E402
 from workload import Workload, build_model, make_optimizer, rank_data, sample_losses  # noqa: E402
 
-VARIANTS = ("sized", "stream", "sized2")
+VARIANTS = ("sized", "stream", "stream1", "sized2")
 
 
 def as_given(name: str, batches: list):
-    return (b for b in batches) if name == "stream" else batches
+    return (b for b in batches) if name.startswith("stream") else batches
 
 
 def epoch(name: str, initial: dict, w: Workload, batches: list, factor: int) -> tuple[float, int]:
@@ -42,7 +44,8 @@ def epoch(name: str, initial: dict, w: Workload, batches: list, factor: int) -> 
     model = build_model(w.model)
     model.load_state_dict(initial)
     ddp = DDP(model)
-    engine = AccumulationEngine(ddp, make_optimizer(w, ddp.parameters()), schedule=factor)
+    engine = AccumulationEngine(ddp, make_optimizer(w, ddp.parameters()), schedule=factor,
+                                read_ahead=1 if name == "stream1" else READ_AHEAD)
     dist.barrier()
     began = time.perf_counter()
     for x, y in engine.micro_batches(as_given(name, batches), 0):

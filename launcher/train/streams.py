@@ -16,7 +16,7 @@ them, but a read of them). The loader is torchdata's ``StatefulDataLoader`` (the
 every worker's state with each batch; without torchdata a plain loader in the main process does the same for
 ``num_workers: 0``.
 
-**Which state is saved**. The engine reads two micro-batches ahead of what it trains (accum_sched/streams.py), so
+**Which state is saved**. The engine reads micro-batches ahead of what it trains (accum_sched/streams.py), so
 the loader's state now is ahead of the trained position. :class:`StreamLoader` records the loader's state after
 every batch it hands out and gives the checkpoint the state after exactly the micro-batches the engine has
 consumed (``state_at(engine.micro_in_epoch)``).
@@ -29,10 +29,11 @@ from collections import deque
 
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
+from accum_sched.streams import READ_AHEAD
 from launcher.errors import ConfigError
 
 STATE_VERSION = 1
-KEPT = 8  # loader states kept: the engine's look-ahead is two micro-batches
+KEPT = 2 * READ_AHEAD + 4  # loader states kept: the engine holds at most READ_AHEAD + 1 micro-batches read ahead
 
 
 def is_stream(dataset) -> bool:

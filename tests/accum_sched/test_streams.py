@@ -4,8 +4,9 @@ Every rank's stream is a generator over the same micro-batches the map-style tes
 reference is the same plain-torch one: per window, one large batch of every rank's micro-batches, the epoch ending
 at the shortest rank's last micro-batch. Checked on every rank (allclose to the reference, bitwise equal to rank 0),
 at 2 and 3 ranks, with partial windows, schedule changes, token counts and streams of unequal length; the collectives
-are counted by the tests' own counter (tests/counters.py): one small side-group all-reduce per micro-batch of a
-stream, none for a sized loader; a stop inside a window and a resume from ``state_dict()`` on a stream.
+are counted by the tests' own counter (tests/counters.py): one small side-group all-reduce per ``read_ahead``
+micro-batches of a stream (the first covering one more), none for a sized loader; a stop inside a window and a
+resume from ``state_dict()`` on a stream.
 """
 from __future__ import annotations
 
@@ -54,11 +55,14 @@ def _counted(case, rank, world, sized=False, **kwargs):
     model, engine = _engine(case, world, **kwargs)
     with CollectiveCounter() as colls:
         _train(case, rank, world, engine, sized=sized)
-    small = sum(1 for (name, numel), group in zip(colls.calls, colls.groups)
-                if name == "all_reduce" and group == "other" and numel == 2 * 1) if world > 1 else 0
-    pairs = sum(1 for (name, numel), group in zip(colls.calls, colls.groups)
-                if name == "all_reduce" and group == "other" and numel == 2 * 2) if world > 1 else 0
-    return model, engine, {"flags_one": small, "flags_two": pairs, "counters": engine.counters()}
+    ahead = engine.read_ahead
+    # the tests' own count of the side-group all-reduces of has-flags, by size: [has, -has] per read
+    later = sum(1 for (name, numel), group in zip(colls.calls, colls.groups)
+                if name == "all_reduce" and group == "other" and numel == 2 * ahead) if world > 1 else 0
+    first = sum(1 for (name, numel), group in zip(colls.calls, colls.groups)
+                if name == "all_reduce" and group == "other" and numel == 2 * (ahead + 1)) if world > 1 else 0
+    return model, engine, {"flags_later": later, "flags_first": first, "read_ahead": ahead,
+                           "counters": engine.counters()}
 
 
 def _ranks(rank: int, world: int, out_dir: str) -> None:
@@ -128,11 +132,14 @@ def _check(out_dir, world):
             assert counters["optimizer_steps"] == _steps(case, world), (what, counters)
             if world > 1:
                 assert counters["allreduce_rounds"] == counters["optimizer_steps"], (what, counters)
-                # the tests' own count: per epoch one all-reduce of the first two reads' flags, then one per read
+                # the tests' own count: per epoch one all-reduce of the first R + 1 reads' flags, then one per R
+                # micro-batches handed out (R = read_ahead, the engine's default 4: fewer than one per micro-batch)
                 flags = result["result"]
-                assert flags["flags_two"] == case.epochs, (what, flags)
-                assert flags["flags_one"] == sum(n - 1 for n in micro), (what, flags, micro)
-                assert counters["stream_collectives"] == flags["flags_one"] + flags["flags_two"], (what, flags)
+                ahead = flags["read_ahead"]
+                assert ahead == 4, flags
+                assert flags["flags_first"] == case.epochs, (what, flags)
+                assert flags["flags_later"] == sum((n - 1) // ahead for n in micro), (what, flags, micro)
+                assert counters["stream_collectives"] == flags["flags_first"] + flags["flags_later"], (what, flags)
                 warned = [w for w in result["warnings"] if "streams end at different points" in w]
                 # 'truncate' (the default): a warning on rank 0 only, once per epoch whose streams differ in length
                 uneven = sum(len({len(cases.rank_batches(case, r, e)) for r in range(world)}) > 1
@@ -143,7 +150,7 @@ def _check(out_dir, world):
     for rank in range(world):
         sized = results[rank]["sized"]
         assert sized["error"] is None, sized["error"]
-        assert sized["result"]["flags_one"] == sized["result"]["flags_two"] == 0, sized["result"]
+        assert sized["result"]["flags_first"] == sized["result"]["flags_later"] == 0, sized["result"]
         assert sized["result"]["counters"]["stream_collectives"] == 0
         stop = results[rank]["stop"]
         assert stop["error"] is None, stop["error"]
