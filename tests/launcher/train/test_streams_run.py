@@ -364,3 +364,19 @@ def test_data_shard_none_leaves_the_sharding_to_the_task(tmp_path):
             window = batches[start:start + factor]
             sgd_window(model, opt, window + window, stream_tasks.builtin_stream_lm.loss_fn)
     assert_all_ranks_match(tmp_path / "rec-whole", 2, model.state_dict())
+
+
+def test_an_endless_stream_under_deepspeed_zero2_matches_the_reference(tmp_path):
+    """DeepSpeed ZeRO-2 driven to the stream's windows (its boundaries are the engine's): model.pt (gathered from
+    the ranks' partitions) against the reference, with a sample-keyed schedule changing factor twice."""
+    ds = os.path.join(ROOT, "configs", "ds_zero2.json")
+    body = NUMBERS.replace("distributed: {nproc_per_node: NPROC}",
+                           f"distributed: {{nproc_per_node: 2, backend: deepspeed, deepspeed_config: {ds}}}")
+    body = (body.replace("ARGS", "{shardable: true}").replace("UNIT", "samples").replace("WORKERS", "0")
+            .replace("SCHEDULE", str(SCHEDULES["samples"])))
+    accum("run", write(tmp_path, "run", body), timeout=600)
+    reference, factors = numbers_reference("samples", 2, 0)
+    assert [m["factor"] for m in metrics(tmp_path / "run")] == factors
+    model = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    for k in reference:
+        torch.testing.assert_close(model[k], reference[k], atol=1e-5, rtol=0, msg=k)
