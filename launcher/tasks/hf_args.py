@@ -6,12 +6,12 @@ downloaded: a model, tokenizer or data set is a local path, or the model is an i
 """
 from __future__ import annotations
 
-import difflib
 import json
 import os
 from dataclasses import dataclass
 
 from launcher.errors import ConfigError
+from launcher.tasks.args import refuse_unknown
 
 FIELD = "task.args"
 # what `save_pretrained` / `save_to_disk` leave in a directory, to tell a model directory and a data set apart
@@ -120,11 +120,7 @@ ARGS = ("model", "tokenizer", "data", "max_length", "val_fraction", "text_field"
 
 def parse(args: dict) -> HFArgs:
     """Check ``task.args`` of `builtin:hf_causal_lm`; raise ConfigError naming the argument."""
-    for key in args:
-        if key not in ARGS:
-            close = difflib.get_close_matches(str(key), ARGS, n=1)
-            raise ConfigError(f"{FIELD}.{key}", "unknown argument of builtin:hf_causal_lm",
-                              f"did you mean {close[0]!r}?" if close else f"known: {', '.join(ARGS)}")
+    refuse_unknown(args, ARGS, "builtin:hf_causal_lm")
     for key in ("model", "data"):
         if args.get(key) is None:
             raise ConfigError(f"{FIELD}.{key}", "is required by builtin:hf_causal_lm",

@@ -7,13 +7,13 @@ local path.
 """
 from __future__ import annotations
 
-import difflib
 import glob
 import json
 import os
 from dataclasses import dataclass
 
 from launcher.errors import ConfigError
+from launcher.tasks.args import refuse_unknown
 
 FIELD = "task.args"
 JSON_LINES = (".jsonl", ".json")  # one JSON object per line; any other file is text, one document per line
@@ -123,11 +123,7 @@ def _tokenizer(value) -> str:
 
 def parse(args: dict) -> StreamArgs:
     """Check ``task.args`` of `builtin:stream_lm`; raise ConfigError naming the argument."""
-    for key in args:
-        if key not in ARGS:
-            close = difflib.get_close_matches(str(key), ARGS, n=1)
-            raise ConfigError(f"{FIELD}.{key}", "unknown argument of builtin:stream_lm",
-                              f"did you mean {close[0]!r}?" if close else f"known: {', '.join(ARGS)}")
+    refuse_unknown(args, ARGS, "builtin:stream_lm")
     if args.get("files") is None:
         raise ConfigError(f"{FIELD}.files", "is required by builtin:stream_lm",
                           "give a text or .jsonl file, a list of them, or a glob like 'data/*.txt'")

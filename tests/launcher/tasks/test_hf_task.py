@@ -35,14 +35,6 @@ WORLD, MICRO, MAX_LENGTH, SEED = 2, 3, 12, 3
 LINES = [line.strip() for line in open(CORPUS, encoding="utf-8") if line.strip()][:20]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # the references run ~100 tiny forwards; with several threads on a loaded 2-core machine each took 40x longer
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def env() -> dict:
     return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "DS_ACCELERATOR": "cpu"}

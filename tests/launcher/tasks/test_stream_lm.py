@@ -34,13 +34,6 @@ WORDS = ["the", "stream", "packs", "documents", "into", "windows", "naïve", "st
          "every", "rank", "reads", "its", "own", "shard", "x"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def write_corpus(folder) -> list[str]:
     """Three files (text, JSON lines, text with CRLF and blank lines): ~70 documents of 0 to ~400 bytes."""
