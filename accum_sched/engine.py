@@ -604,8 +604,9 @@ class AccumulationEngine:
         """
         nonfinite = totals.nonfinite or (totals.grad_norm is not None and not math.isfinite(totals.grad_norm))
         scaler = self.backend.scaler
-        overflow = nonfinite and scaler is not None
-        loss_scale = None if scaler is None else float(scaler.get_scale())  # before update(): this window's scale
+        # before update(): this window's scale; a back end's own fp16 scaling (DeepSpeed) counts alike
+        loss_scale = self.backend.native_loss_scale() if scaler is None else float(scaler.get_scale())
+        overflow = nonfinite and loss_scale is not None
         if nonfinite and self.nonfinite == "raise" and not overflow:
             raise FloatingPointError(f"non-finite loss or gradient at epoch {epoch}, step {self.optimizer_steps + 1} "
                                      f"(nonfinite='raise'; use nonfinite='skip' to skip such steps)")

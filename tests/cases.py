@@ -137,11 +137,13 @@ def reference(case: Case, world: int) -> nn.Module:
     return reference_units(case, "epoch", "none", world)
 
 
-def window_reference(case: Case, world: int, *, optimizer=None, scheduler=None, skip=()) -> tuple[nn.Module, list]:
+def window_reference(case: Case, world: int, *, optimizer=None, scheduler=None, skip=(),
+                     hold_lr=False) -> tuple[nn.Module, list]:
     """Plain torch, one process, an epoch-keyed schedule: one large batch per window of every rank's micro-batches,
     clipped as the case says; ``optimizer(model)`` / ``scheduler(opt)`` replace the case's optimizer and add an LR
     scheduler stepped once per window; windows in ``skip`` ((epoch, index)) take no optimizer step (their data is
-    consumed, the optimizer's state is not touched). Returns the model and the LR each window ran with."""
+    consumed, the optimizer's state is not touched) and, with ``hold_lr`` (fp16 overflows), do not step the LR
+    scheduler either. Returns the model and the LR each window ran with."""
     schedule = AccumulationSchedule(case.schedule)
     model = make_model(case)
     opt = optimizer(model) if optimizer else make_optimizer(case, model)
@@ -161,7 +163,7 @@ def window_reference(case: Case, world: int, *, optimizer=None, scheduler=None, 
             lrs.append(opt.param_groups[0]["lr"])
             if (epoch, index) not in skip:
                 opt.step()
-            if sched is not None:
+            if sched is not None and not (hold_lr and (epoch, index) in skip):
                 sched.step()
     return model, lrs
 

@@ -130,6 +130,12 @@ class Backend(abc.ABC):
     def lr(self) -> float:
         """The learning rate the next step uses (before the engine's LR coupling)."""
 
+    def native_loss_scale(self) -> float | None:
+        """The loss scale of this window when the back end runs its own dynamic fp16 loss scaling (DeepSpeed's
+        fp16 optimizers), else None (no fp16, or a torch GradScaler in ``scaler``). With a scale, a non-finite
+        gradient is an overflow: a counted skip that holds every LR scheduler, as with the GradScaler."""
+        return None
+
     # -- an open window (only with capabilities.stop_mid_window) ------------------------------------------------
     def local_grads(self) -> list:
         """This rank's accumulated, not yet reduced, gradient of an open window: one CPU tensor (or None) per

@@ -182,6 +182,11 @@ class DeepSpeedBackend(Backend):
         scale = getattr(self.ds.optimizer, "loss_scale", None)
         return 1.0 if scale is None else float(scale)
 
+    def native_loss_scale(self) -> float | None:
+        """DeepSpeed's own fp16 loss scale for this window (None without fp16): an inf/NaN gradient under it is an
+        overflow, which the engine counts and skips without raising; :meth:`step` then holds the LR schedulers."""
+        return self._loss_scale() if self._fold_into_unscale else None
+
     stats_dtype = torch.float64
 
     def _can_carry(self) -> bool:
@@ -282,14 +287,19 @@ class DeepSpeedBackend(Backend):
                 self._check_shapes(tensors)
                 scale_gradients(tensors, scale)
         inner = getattr(self.ds, "basic_optimizer", None) or self.ds.optimizer  # the torch optimizer DeepSpeed wraps
-        with _inner_step(inner, skip=skip, lr_scale=lr_scale), _fp32_unscale(self.ds.optimizer, fold):
+        fp16 = self._fold_into_unscale
+        with _inner_step(inner, skip=skip, lr_scale=lr_scale), _fp32_unscale(self.ds.optimizer, fold), \
+                _held(self.ds.lr_scheduler, skip and fp16):
             self.ds.step()
-        if skip and getattr(self.ds.optimizer, "overflow", False) and self.ds.lr_scheduler is not None:
-            self.ds.lr_scheduler.step()  # DeepSpeed skipped its scheduler on overflow; keep one LR step per step
+        # fp16: a skipped window is an overflow (or empty) and the LR schedule waits, DeepSpeed's own (which skips
+        # itself on overflow) and ours alike, as the torch GradScaler path does. Otherwise a skipped step (non-finite
+        # with nonfinite='skip') is still one LR step: DeepSpeed's overflow check skipped its scheduler, step it.
+        if skip and not fp16 and getattr(self.ds.optimizer, "overflow", False) and self.ds.lr_scheduler is not None:
+            self.ds.lr_scheduler.step()
         if self._window_samples is not None:
             self.ds.global_samples = samples_before + self._window_samples
             self._window_samples = None
-        if self.lr_scheduler is not None:
+        if self.lr_scheduler is not None and not (skip and fp16):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 self.lr_scheduler.step()
@@ -397,14 +407,10 @@ def _fp32_unscale(optimizer, scale: float):
 @contextlib.contextmanager
 def _inner_step(optimizer, *, skip: bool, lr_scale: float):
     """For one ``ds.step()``, make the wrapped torch optimizer's ``step`` a no-op (``skip``: DeepSpeed still clears
-    its buffers and counts the step, the weights do not move) or run it at ``lr x lr_scale``.
-
-    An instance attribute shadows the class method (and any wrapper a torch LR scheduler installed, restored after).
-    """
+    its buffers and counts the step, the weights do not move) or run it at ``lr x lr_scale``."""
     if not skip and lr_scale == 1.0:
         yield
         return
-    saved = optimizer.__dict__.get("step", _MISSING)
     original = optimizer.step
 
     def step(*args, **kwargs):
@@ -413,14 +419,34 @@ def _inner_step(optimizer, *, skip: bool, lr_scale: float):
         with scaled_lr(optimizer, lr_scale):  # the rule every back end shares (accum_sched.step_rules)
             return original(*args, **kwargs)
 
-    optimizer.step = step
+    with _shadow_step(optimizer, step):
+        yield
+
+
+@contextlib.contextmanager
+def _held(scheduler, hold: bool):
+    """For one ``ds.step()``, keep DeepSpeed from stepping its LR scheduler (an fp16 window skipped for a reason
+    DeepSpeed's own overflow check did not see, e.g. an empty window)."""
+    if not hold or scheduler is None:
+        yield
+        return
+    with _shadow_step(scheduler, lambda *args, **kwargs: None):
+        yield
+
+
+@contextlib.contextmanager
+def _shadow_step(obj, step):
+    """An instance attribute ``step`` shadows the class method (and any wrapper a torch LR scheduler installed on
+    the instance, restored after)."""
+    saved = obj.__dict__.get("step", _MISSING)
+    obj.step = step
     try:
         yield
     finally:
         if saved is _MISSING:
-            del optimizer.step
+            del obj.step
         else:
-            optimizer.step = saved
+            obj.step = saved
 
 
 def consolidated_state_dict(ds_engine, rank0_only: bool = True) -> dict | None:
