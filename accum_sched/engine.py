@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from accum_sched import collective, streams, window_stats
+from accum_sched import co_scale, collective, streams, window_stats
 from accum_sched.backends import make_backend
 from accum_sched.backends.base import module_device
 from accum_sched.schedule import AccumulationSchedule, Position
@@ -67,6 +67,8 @@ class StepInfo:
     loss_scale: float | None = None  # fp16: the GradScaler scale this window was scaled with (None otherwise)
     noise: dict | None = None  # noise_scale=True: the gns_* fields and noise_scale (accum_sched.noise_scale.FIELDS)
     factor_reason: str | None = None  # adaptive: why this window has its factor (the decision that set it)
+    beta2: float | None = None  # Adam's beta2 this step ran with (co-scaled where asked); None: no betas
+    weight_decay: float | None = None  # weight decay this step ran with (co-scaled where asked); None: no such setting
 
     def to_dict(self) -> dict:
         """One flat metrics line; the optional fields appear only when their feature is on."""
@@ -132,6 +134,9 @@ class AccumulationEngine:
             (default), ``"linear"`` (LR x factor / first factor), ``"sqrt"`` (LR x sqrt of that ratio) or
             ``"adascale"`` (AdaScale's gain from the measured noise scale; needs ``noise_scale``). Applied to each
             optimizer step on top of the LR scheduler, which never sees it.
+        co_scale: ``{"lr": none|linear|sqrt|auto, "beta2": none|half_life, "weight_decay": none|tau}``: the
+            optimizer follows the effective batch (:mod:`accum_sched.co_scale`); ``lr`` is ``lr_coupling`` under
+            another name (give one of them). Every step's beta2 and weight decay are in :class:`StepInfo`.
         noise_scale: measure the gradient noise scale of every window (accum_sched.noise_scale): the gns_* fields
             of :class:`StepInfo`. DDP, one process, or DeepSpeed ZeRO-0 in fp32; not fp16 or
             ``normalize="micro_batches"``.
@@ -165,7 +170,7 @@ class AccumulationEngine:
                  precision: str = "fp32", micro_batch_size: int | None = None, count_allreduce: bool = True,
                  lr_coupling: str = "none", noise_scale: bool = False, adaptive=None, stop_at: str = "boundary",
                  norm_every: int | None = None, gradient_sync: str = "boundary",
-                 read_ahead: int = streams.READ_AHEAD):
+                 read_ahead: int = streams.READ_AHEAD, co_scale: dict | None = None):
         for name, value, allowed in (("normalize", normalize, NORMALIZE), ("uneven", uneven, UNEVEN),
                                      ("nonfinite", nonfinite, NONFINITE), ("precision", precision, PRECISION),
                                      ("lr_coupling", lr_coupling, LR_COUPLING), ("stop_at", stop_at, STOP_AT)):
@@ -201,6 +206,7 @@ class AccumulationEngine:
                                     count_allreduce=count_allreduce, gradient_sync=gradient_sync)
         self.world_size = self.backend.world_size
         self.callbacks: list[Callable[[StepInfo], None]] = []
+        self.co_scale = self._make_co_scale(co_scale, lr_coupling)
         self.noise = self._make_noise() if noise_scale else None
 
         # position and counters (all identical on every rank; see state_dict)
@@ -625,18 +631,21 @@ class AccumulationEngine:
         """Let the back end scale, clip and step; returns what this step was."""
         lr_scale = self._lr_scale(factor, noise, size, float(totals.elements))
         lr = self.backend.lr() * lr_scale
+        scale = self._group_scale(factor, lr_scale)
+        beta2, weight_decay = co_scale.reported(self.backend.param_groups(), scale)
         # a back end with its own batch bookkeeping (DeepSpeed's GAS, global_samples); a no-op elsewhere
         self.backend.on_window(factor, size, totals.samples)
-        if lr_scale == 1.0:
+        if scale == 1.0:
             self.backend.step(coef, self.max_grad_norm, totals.grad_norm, skip)
         else:
-            self.backend.step(coef, self.max_grad_norm, totals.grad_norm, skip, lr_scale=lr_scale)
+            self.backend.step(coef, self.max_grad_norm, totals.grad_norm, skip, lr_scale=scale)
         elements = totals.elements
         return StepInfo(epoch=epoch, step=self.optimizer_steps + 1, factor=factor, micro_batches=size,
                         elements=elements, samples=totals.samples,
                         loss=totals.loss / elements if elements else float("nan"), lr=lr, grad_norm=grad_norm,
                         skipped=skip, loss_scale=loss_scale, noise=noise,
-                        factor_reason=None if self.adaptive is None else self.adaptive.reason)
+                        factor_reason=None if self.adaptive is None else self.adaptive.reason, beta2=beta2,
+                        weight_decay=weight_decay)
 
     def _advance(self, totals: window_stats.WindowTotals, skip: bool, overflow: bool, noise: dict | None,
                  size: int) -> None:
@@ -661,6 +670,32 @@ class AccumulationEngine:
                         "no elements in the window" if info.elements == 0 else "non-finite loss or gradient")
         for callback in self.callbacks:
             callback(info)
+
+    def _make_co_scale(self, rules: dict | None, lr_coupling: str) -> dict:
+        """``co_scale`` with its defaults, ``lr: auto`` fixed for this optimizer; ``lr_coupling`` is its ``lr``."""
+        rules = co_scale.validate(rules)
+        if lr_coupling != "none":
+            if rules["lr"] not in ("none", lr_coupling):
+                raise ValueError(f"lr_coupling={lr_coupling!r} and co_scale lr={rules['lr']!r} disagree: give one")
+            if lr_coupling != "adascale":  # AdaScale's gain is the LR rule then; beta2 and weight decay may follow
+                rules["lr"] = lr_coupling
+        optimizer = getattr(self.backend, "optimizer", None)
+        name = "the optimizer" if optimizer is None else type(optimizer).__name__
+        rules = co_scale.resolve(rules, self.backend.param_groups(), name)
+        if rules["lr"] != "none":
+            self.lr_coupling = rules["lr"]
+        return rules
+
+    def _group_scale(self, factor: int, lr_scale: float):
+        """What this step changes in the optimizer's groups: the LR multiplier alone (a float), or a GroupScale
+        when beta2 or weight decay follow the batch too (accum_sched.co_scale)."""
+        rules = self.co_scale
+        if rules["beta2"] == "none" and rules["weight_decay"] == "none":
+            return lr_scale
+        from accum_sched import co_scale
+
+        scale = co_scale.group_scale(rules, factor / (self.adaptive or self.schedule).factor_at(0), lr_scale)
+        return lr_scale if scale.is_identity() else scale
 
     def _lr_scale(self, factor: int, noise: dict | None = None, size: int = 1, n_total: float = 0.0) -> float:
         """LR multiplier for a window of ``factor``: effective batch relative to the schedule's first factor.

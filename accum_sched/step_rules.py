@@ -30,9 +30,13 @@ def scale_gradients(tensors: Sequence[torch.Tensor], scale: float) -> None:
         torch._foreach_mul_(list(tensors), scale)
 
 
-def scaled_lr(optimizer, scale: float):
+def scaled_lr(optimizer, scale):
     """Run the enclosed ``optimizer.step()`` at ``lr x scale`` (LR coupling), restoring every group's LR after, so the
-    LR scheduler never sees the coupling. At scale 1 (no coupling: every step by default) a shared no-op context."""
+    LR scheduler never sees the coupling. ``scale`` may also be an :class:`accum_sched.co_scale.GroupScale`, which
+    changes beta2 and weight decay for the step as well. At scale 1 (no coupling: every step by default) a shared
+    no-op context."""
+    if not isinstance(scale, (int, float)):
+        return _scaled_groups(optimizer, scale)
     return NO_CONTEXT if scale == 1.0 else _scaled_lr(optimizer, scale)
 
 
@@ -49,6 +53,24 @@ def _scaled_lr(optimizer, scale: float):
     finally:
         for group, lr in zip(optimizer.param_groups, saved):
             group["lr"] = lr
+
+
+@contextlib.contextmanager
+def _scaled_groups(optimizer, scale):
+    keys = ("lr", "betas", "weight_decay")
+    saved = [{k: group[k] for k in keys if k in group} for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * scale.lr
+        if scale.beta2_power is not None:
+            beta1, beta2 = group["betas"]
+            group["betas"] = (beta1, beta2 ** scale.beta2_power)
+        if scale.weight_decay is not None:
+            group["weight_decay"] = group["weight_decay"] * scale.weight_decay
+    try:
+        yield
+    finally:
+        for group, values in zip(optimizer.param_groups, saved):
+            group.update(values)
 
 
 def tensor_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -130,6 +130,11 @@ class Backend(abc.ABC):
     def lr(self) -> float:
         """The learning rate the next step uses (before the engine's LR coupling)."""
 
+    def param_groups(self) -> list:
+        """The param groups of the torch optimizer that steps (its lr, betas and weight decay are read for metrics
+        and for co-scaling, accum_sched.co_scale)."""
+        return self.optimizer.param_groups
+
     def native_loss_scale(self) -> float | None:
         """The loss scale of this window when the back end runs its own dynamic fp16 loss scaling (DeepSpeed's
         fp16 optimizers), else None (no fp16, or a torch GradScaler in ``scaler``). With a scale, a non-finite

@@ -307,6 +307,10 @@ class DeepSpeedBackend(Backend):
     def lr(self) -> float:
         return float(self.ds.get_lr()[0])
 
+    def param_groups(self) -> list:
+        """The wrapped torch optimizer's groups: its step reads lr, betas and weight decay from them."""
+        return (getattr(self.ds, "basic_optimizer", None) or self.ds.optimizer).param_groups
+
     def noise_params(self) -> list:
         """The DeepSpeed module's parameters, when its local gradient is at hand (ZeRO-0 in fp32); ValueError
         otherwise."""

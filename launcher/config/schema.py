@@ -260,8 +260,38 @@ def _cross_check(cfg: Config) -> None:
                           "remove it, or name a scheduler class such as torch.optim.lr_scheduler.StepLR")
     _check_eval(cfg.eval)
     _check_compile(cfg.run.compile)
+    _check_co_scale(cfg)
     del schedule
     noise_config.check(cfg)
+
+
+def _check_co_scale(cfg: Config) -> None:
+    """``accumulation.co_scale``: known keys and rules, one LR rule (``lr_coupling`` is its alias), and rules the
+    named optimizer can take (an optimizer given by import path is checked when the worker builds it)."""
+    from accum_sched import co_scale
+
+    acc, field = cfg.accumulation, "accumulation.co_scale"
+    rules = acc.co_scale
+    if rules is None:
+        return
+    if not isinstance(rules, dict):
+        raise ConfigError(field, f"expected a mapping or null, got {rules!r}",
+                          "write e.g. {lr: auto, beta2: half_life, weight_decay: tau}")
+    for k, value in rules.items():
+        allowed = co_scale.KEYS.get(k)
+        if allowed is None:
+            raise ConfigError(f"{field}.{k}", "unknown key", _did_you_mean(str(k), tuple(co_scale.KEYS)))
+        if value not in allowed:
+            raise ConfigError(f"{field}.{k}", f"{value!r} is not one of {', '.join(allowed)}",
+                              _did_you_mean(str(value), allowed) if isinstance(value, str) else "")
+    lr = rules.get("lr", "none")
+    if acc.lr_coupling != "none" and lr not in ("none", acc.lr_coupling):
+        raise ConfigError(f"{field}.lr", f"is {lr} but accumulation.lr_coupling is {acc.lr_coupling}",
+                          "keep one of them (lr_coupling is the same rule under its older name)")
+    name = cfg.optimizer.name
+    if rules.get("beta2", "none") != "none" and name == "sgd":
+        raise ConfigError(f"{field}.beta2", f"{rules['beta2']} needs an optimizer with betas, and sgd has none",
+                          "set beta2: none, or use optimizer.name: adamw")
 
 
 COMPILE_KEYS = ("mode", "dynamic", "fullgraph")

@@ -158,6 +158,9 @@ class AccumulationConfig(Section):
     lr_coupling: str = key("none", train=True, choices=("none", "linear", "sqrt", "adascale"),
                            doc="`none`, `linear`, `sqrt`, `adascale` (needs the noise scale; see "
                                "[adaptive](adaptive.md))")
+    co_scale: dict | None = key(None, train=True,
+                                doc="`{lr: none|linear|sqrt|auto, beta2: none|half_life, weight_decay: none|tau}`: "
+                                    "the optimizer follows the effective batch ([batch size](batch-size.md))")
     unit: str = key("epoch", train=True, choices=UNITS, doc="what the schedule is keyed by: `epoch`, `step`, "
                                                             "`samples`, `tokens`")
     normalize: str = key("elements", train=True, choices=("elements", "micro_batches"),

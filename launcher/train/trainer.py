@@ -194,7 +194,7 @@ class Trainer:
             self.setup.module, schedule=1 if self.adaptive else self.schedule, **self.setup.engine_args,
             max_grad_norm=cfg.optimizer.max_grad_norm, normalize=acc.normalize, uneven=acc.uneven,
             nonfinite=acc.nonfinite, precision=cfg.run.precision, micro_batch_size=cfg.data.micro_batch_size,
-            lr_coupling=acc.lr_coupling, noise_scale=acc.noise_scale, adaptive=self.adaptive,
+            lr_coupling=acc.lr_coupling, co_scale=acc.co_scale, noise_scale=acc.noise_scale, adaptive=self.adaptive,
             stop_at="micro_batch",  # preemption answered within ~1 micro-batch (DeepSpeed, noise scale: boundary)
             norm_every=cfg.logging.log_every)
 

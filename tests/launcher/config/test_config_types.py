@@ -69,7 +69,7 @@ HASHED = {
     "run.seed", "run.epochs", "run.precision", "run.max_steps", "task.target", "task.args",
     "data.micro_batch_size", "data.shuffle", "data.drop_last", "data.shard",
     *(f"accumulation.{k}" for k in ("schedule", "global_batch", "lr_coupling", "unit", "normalize", "uneven",
-                                    "nonfinite", "noise_scale", "adaptive")),
+                                    "nonfinite", "noise_scale", "adaptive", "co_scale")),
     *(f"optimizer.{k}" for k in ("name", "args", "no_decay", "lr", "weight_decay", "momentum", "betas", "eps",
                                  "max_grad_norm")),
     *(f"lr_scheduler.{k}" for k in ("name", "args", "warmup_steps", "min_lr")),
@@ -79,7 +79,7 @@ HASHED = {
 
 
 # hashed keys added after that release (at their defaults, they leave its checkpoints' hashes unchanged)
-ADDED_SINCE = {"run.max_steps", "data.shard"}
+ADDED_SINCE = {"run.max_steps", "data.shard", "accumulation.co_scale"}
 
 
 def _paths(config: dict, prefix: str = "") -> set[str]:
@@ -161,6 +161,7 @@ NON_DEFAULT = {
     "accumulation.uneven": ["accumulation.uneven=error"], "accumulation.nonfinite": ["accumulation.nonfinite=raise"],
     "accumulation.noise_scale": ["accumulation.noise_scale=true"],
     "accumulation.adaptive": ["accumulation.adaptive={min_factor: 2}"],
+    "accumulation.co_scale": ["accumulation.co_scale={beta2: half_life}"],
     "optimizer.name": ["optimizer.name=sgd"], "optimizer.args": ["optimizer.args={amsgrad: true}"],
     "optimizer.no_decay": ["optimizer.no_decay=[bias]"], "optimizer.lr": ["optimizer.lr=0.01"],
     "optimizer.weight_decay": ["optimizer.weight_decay=0.1"],
