@@ -14,6 +14,7 @@ COMMANDS = {
     "check": "launcher.cli.check",
     "slurm": "launcher.cli.slurm",
     "report": "launcher.cli.report",
+    "plan": "launcher.cli.plan",
 }
 
 

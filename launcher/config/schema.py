@@ -261,6 +261,7 @@ def _cross_check(cfg: Config) -> None:
     _check_eval(cfg.eval)
     _check_compile(cfg.run.compile)
     _check_co_scale(cfg)
+    _check_schedule_from(cfg)
     del schedule
     noise_config.check(cfg)
 
@@ -292,6 +293,42 @@ def _check_co_scale(cfg: Config) -> None:
     if rules.get("beta2", "none") != "none" and name == "sgd":
         raise ConfigError(f"{field}.beta2", f"{rules['beta2']} needs an optimizer with betas, and sgd has none",
                           "set beta2: none, or use optimizer.name: adamw")
+
+
+def _check_schedule_from(cfg: Config) -> None:
+    """``accumulation.schedule_from``: a rule that converts the configured LR scheduler, alone (docs/batch-size.md)."""
+    from accum_sched import schedule_from
+
+    acc, field = cfg.accumulation, "accumulation.schedule_from"
+    spec = acc.schedule_from
+    if spec is None:
+        return
+    if not isinstance(spec, dict):
+        raise ConfigError(field, f"expected a mapping or null, got {spec!r}",
+                          "write e.g. {rule: seesaw, max_factor: 8}")
+    for k in spec:
+        if k not in schedule_from.KEYS:
+            raise ConfigError(f"{field}.{k}", "unknown key", _did_you_mean(str(k), schedule_from.KEYS))
+    if spec.get("rule") not in schedule_from.RULES:
+        raise ConfigError(f"{field}.rule", f"{spec.get('rule')!r} is not one of {', '.join(schedule_from.RULES)}",
+                          "write rule: smith or rule: seesaw")
+    cap = spec.get("max_factor", 8)
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ConfigError(f"{field}.max_factor", f"{cap!r} is not an integer >= 1", "write e.g. max_factor: 8")
+    for other in ("schedule", "global_batch", "adaptive"):
+        if acc[other] is not None:
+            raise ConfigError(field, f"is given together with accumulation.{other}",
+                              "keep one: schedule_from derives the schedule from the LR scheduler")
+    lr_rule = (acc.co_scale or {}).get("lr", "none") if isinstance(acc.co_scale, dict) else "none"
+    if acc.lr_coupling != "none" or lr_rule != "none":
+        raise ConfigError(field, "sets the LR of every step itself, so an LR rule on top would count the batch twice",
+                          "set accumulation.lr_coupling and co_scale.lr to none (beta2 and weight_decay may follow)")
+    if acc.unit not in schedule_from.UNITS:
+        raise ConfigError("accumulation.unit", f"is {acc.unit}, which schedule_from cannot place factors in",
+                          f"use one of {', '.join(schedule_from.UNITS)}")
+    if cfg.lr_scheduler is None or (cfg.lr_scheduler.name == "constant"):
+        raise ConfigError(field, "has no LR decay to convert (lr_scheduler is null or constant)",
+                          "configure the LR scheduler you would decay with, e.g. {name: cosine}")
 
 
 COMPILE_KEYS = ("mode", "dynamic", "fullgraph")

@@ -158,6 +158,9 @@ class AccumulationConfig(Section):
     lr_coupling: str = key("none", train=True, choices=("none", "linear", "sqrt", "adascale"),
                            doc="`none`, `linear`, `sqrt`, `adascale` (needs the noise scale; see "
                                "[adaptive](adaptive.md))")
+    schedule_from: dict | None = key(None, train=True,
+                                     doc="`{rule: smith|seesaw, max_factor}`: the factor grows where the LR scheduler "
+                                         "would decay, instead of `schedule` ([batch size](batch-size.md))")
     co_scale: dict | None = key(None, train=True,
                                 doc="`{lr: none|linear|sqrt|auto, beta2: none|half_life, weight_decay: none|tau}`: "
                                     "the optimizer follows the effective batch ([batch size](batch-size.md))")

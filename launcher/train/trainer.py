@@ -152,11 +152,16 @@ class Trainer:
         self.sampler, self.loader = self._make_loader()
         # finds the checkpoint to resume (rank 0 reads, all agree); its world size may rescale the schedule
         self.checkpointer = Checkpointer(cfg, self.rank, self.world, resume, device)
-        self.schedule = self.checkpointer.schedule(cfg.schedule_for(self.world))
+        self.converted = self._schedule_from()  # accumulation.schedule_from: the schedule and LR per step
+        written = cfg.schedule_for(self.world) if self.converted is None else self.converted.schedule
+        self.schedule = self.checkpointer.schedule(written)
         self.adaptive = adaptive_settings(cfg)
         # adaptive: the factor is decided during the run, so the total is an upper bound (every window at min_factor)
         planned = self.schedule if self.adaptive is None else AccumulationSchedule(self.adaptive["min_factor"])
         self.total_steps = plan_total_steps(planned, self.loader, self.sampler, self.task, cfg, self.world)
+        if self.converted is not None and self.total_steps != self.converted.total_steps:
+            raise RuntimeError(f"schedule_from planned {self.converted.total_steps} optimizer steps, the run has "
+                               f"{self.total_steps}")  # the two planners disagree: a bug, not a config error
         # the back end wraps the model and builds the optimizer when it needs it (FSDP2: after sharding)
         self.backend = backends.get(cfg.distributed.backend)
         self.setup = self.backend.setup(cfg, self.task.model.to(device), self._make_optimizer, device, self.world)
@@ -183,9 +188,24 @@ class Trainer:
                             collate_fn=task.collate_fn, pin_memory=self.device.type == "cuda")
         return sampler, loader
 
+    def _schedule_from(self):
+        """``accumulation.schedule_from``'s converted run (launcher/train/schedule_from.py), or None."""
+        if self.cfg.accumulation.schedule_from is None:
+            return None
+        if streams.is_stream(self.task.dataset):
+            raise ConfigError("accumulation.schedule_from", "needs a map-style dataset (its length places the "
+                              "factors), but the task's dataset is a stream", "write accumulation.schedule instead")
+        from launcher.train import schedule_from
+
+        return schedule_from.convert(self.cfg, len(self.task.dataset), self.world)
+
     def _make_optimizer(self, module):
         """The optimizer and LR scheduler of ``module`` (the module: no_decay matches its parameter names)."""
         optimizer = build_optimizer(self.cfg.optimizer, module)
+        if self.converted is not None:  # schedule_from: the converted run's LR per step
+            from launcher.train import schedule_from
+
+            return optimizer, schedule_from.lr_scheduler(self.converted, optimizer)
         return optimizer, build_lr_scheduler(self.cfg.lr_scheduler, optimizer, self.total_steps)
 
     def _make_engine(self) -> AccumulationEngine:

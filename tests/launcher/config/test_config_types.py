@@ -69,7 +69,7 @@ HASHED = {
     "run.seed", "run.epochs", "run.precision", "run.max_steps", "task.target", "task.args",
     "data.micro_batch_size", "data.shuffle", "data.drop_last", "data.shard",
     *(f"accumulation.{k}" for k in ("schedule", "global_batch", "lr_coupling", "unit", "normalize", "uneven",
-                                    "nonfinite", "noise_scale", "adaptive", "co_scale")),
+                                    "nonfinite", "noise_scale", "adaptive", "co_scale", "schedule_from")),
     *(f"optimizer.{k}" for k in ("name", "args", "no_decay", "lr", "weight_decay", "momentum", "betas", "eps",
                                  "max_grad_norm")),
     *(f"lr_scheduler.{k}" for k in ("name", "args", "warmup_steps", "min_lr")),
@@ -79,7 +79,7 @@ HASHED = {
 
 
 # hashed keys added after that release (at their defaults, they leave its checkpoints' hashes unchanged)
-ADDED_SINCE = {"run.max_steps", "data.shard", "accumulation.co_scale"}
+ADDED_SINCE = {"run.max_steps", "data.shard", "accumulation.co_scale", "accumulation.schedule_from"}
 
 
 def _paths(config: dict, prefix: str = "") -> set[str]:
@@ -162,6 +162,7 @@ NON_DEFAULT = {
     "accumulation.noise_scale": ["accumulation.noise_scale=true"],
     "accumulation.adaptive": ["accumulation.adaptive={min_factor: 2}"],
     "accumulation.co_scale": ["accumulation.co_scale={beta2: half_life}"],
+    "accumulation.schedule_from": ["lr_scheduler.name=cosine", "accumulation.schedule_from={rule: smith}"],
     "optimizer.name": ["optimizer.name=sgd"], "optimizer.args": ["optimizer.args={amsgrad: true}"],
     "optimizer.no_decay": ["optimizer.no_decay=[bias]"], "optimizer.lr": ["optimizer.lr=0.01"],
     "optimizer.weight_decay": ["optimizer.weight_decay=0.1"],
