@@ -266,6 +266,18 @@ def _cross_check(cfg: Config) -> None:
     noise_config.check(cfg)
 
 
+def _mapping_of(field: str, value, keys: tuple, example: str) -> bool:
+    """False for null; True for a mapping of known keys; ConfigError otherwise (the unknown key named)."""
+    if value is None:
+        return False
+    if not isinstance(value, dict):
+        raise ConfigError(field, f"expected a mapping or null, got {value!r}", f"write e.g. {example}")
+    for k in value:
+        if k not in keys:
+            raise ConfigError(f"{field}.{k}", "unknown key", _did_you_mean(str(k), keys))
+    return True
+
+
 def _check_co_scale(cfg: Config) -> None:
     """``accumulation.co_scale``: known keys and rules, one LR rule (``lr_coupling`` is its alias), and rules the
     named optimizer can take (an optimizer given by import path is checked when the worker builds it)."""
@@ -273,15 +285,10 @@ def _check_co_scale(cfg: Config) -> None:
 
     acc, field = cfg.accumulation, "accumulation.co_scale"
     rules = acc.co_scale
-    if rules is None:
+    if not _mapping_of(field, rules, tuple(co_scale.KEYS), "{lr: auto, beta2: half_life, weight_decay: tau}"):
         return
-    if not isinstance(rules, dict):
-        raise ConfigError(field, f"expected a mapping or null, got {rules!r}",
-                          "write e.g. {lr: auto, beta2: half_life, weight_decay: tau}")
     for k, value in rules.items():
-        allowed = co_scale.KEYS.get(k)
-        if allowed is None:
-            raise ConfigError(f"{field}.{k}", "unknown key", _did_you_mean(str(k), tuple(co_scale.KEYS)))
+        allowed = co_scale.KEYS[k]
         if value not in allowed:
             raise ConfigError(f"{field}.{k}", f"{value!r} is not one of {', '.join(allowed)}",
                               _did_you_mean(str(value), allowed) if isinstance(value, str) else "")
@@ -301,14 +308,8 @@ def _check_schedule_from(cfg: Config) -> None:
 
     acc, field = cfg.accumulation, "accumulation.schedule_from"
     spec = acc.schedule_from
-    if spec is None:
+    if not _mapping_of(field, spec, schedule_from.KEYS, "{rule: seesaw, max_factor: 8}"):
         return
-    if not isinstance(spec, dict):
-        raise ConfigError(field, f"expected a mapping or null, got {spec!r}",
-                          "write e.g. {rule: seesaw, max_factor: 8}")
-    for k in spec:
-        if k not in schedule_from.KEYS:
-            raise ConfigError(f"{field}.{k}", "unknown key", _did_you_mean(str(k), schedule_from.KEYS))
     if spec.get("rule") not in schedule_from.RULES:
         raise ConfigError(f"{field}.rule", f"{spec.get('rule')!r} is not one of {', '.join(schedule_from.RULES)}",
                           "write rule: smith or rule: seesaw")
