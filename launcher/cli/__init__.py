@@ -15,6 +15,7 @@ COMMANDS = {
     "slurm": "launcher.cli.slurm",
     "report": "launcher.cli.report",
     "plan": "launcher.cli.plan",
+    "cbs": "launcher.cli.cbs",
 }
 
 

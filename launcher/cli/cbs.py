@@ -1,0 +1,203 @@
+"""`accum-sched cbs CONFIG --from CHECKPOINT --factors 1,2,4,8 --samples N`: probe the critical batch size.
+
+The branched method of Merrill et al. 2025 (arXiv 2505.23971): from one checkpoint, one short run per factor over
+the same next ``N`` samples, then compare the losses they reach. The largest factor whose loss is within
+``--tolerance`` (relative) of the best is the critical one: a larger batch there costs no loss per sample, only fewer
+optimizer steps.
+
+Each branch is a normal `accum-sched run` of CONFIG in ``OUT/factor-F`` resumed from CHECKPOINT (same world size)
+with: the factor F from the checkpoint's step on (``unit: step``, schedule ``{0: F0, S: F}`` with F0 the factor the
+checkpoint was taken at, so ``co_scale``/``lr_coupling`` scale the LR by F / F0 as configured), the learning rate
+held at the checkpoint's (the LR scheduler set to constant: a decaying schedule would decay differently over each
+branch's number of steps), ``run.max_steps`` where N samples are read, and ``checkpoint.force_resume`` (the
+schedule differs on purpose). A branch that stopped is resumed from its own checkpoints the next time; a finished
+one is read again, not rerun. The loss a branch reached: its last evaluation's ``val_loss`` when the task has a
+validation set, else the sample-weighted mean training loss over its last quarter of samples.
+
+Writes ``OUT/cbs.json`` and ``OUT/cbs.png`` (with matplotlib); ``--apply`` also writes ``OUT/schedule.yaml``, the
+accumulation section of a next run that trains at F0 up to step S and at the critical factor from there.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+from launcher.config import load_config
+from launcher.errors import ConfigError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("cbs", help="branch short runs per factor from a checkpoint: the critical batch size")
+    p.add_argument("config", help="the YAML config of the run the checkpoint belongs to")
+    p.add_argument("--from", dest="checkpoint", required=True, metavar="CHECKPOINT", help="checkpoint directory")
+    p.add_argument("--factors", default="1,2,4,8", help="comma-separated factors to branch with (default 1,2,4,8)")
+    p.add_argument("--samples", type=int, required=True, metavar="N", help="samples every branch trains on")
+    p.add_argument("--tolerance", type=float, default=0.01,
+                   help="relative loss gap to the best that still counts as as good (default 0.01)")
+    p.add_argument("--out", default=None, help="where the branches go (default OUTPUT_DIR/cbs)")
+    p.add_argument("--apply", action="store_true", help="write OUT/schedule.yaml for the next run")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
+    p.set_defaults(func=main)
+
+
+def parse_factors(text: str) -> list[int]:
+    try:
+        factors = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        factors = []
+    if not factors or factors[0] < 1:
+        raise ConfigError("--factors", f"{text!r} is not a list of integers >= 1", "write e.g. --factors 1,2,4,8")
+    return factors
+
+
+def checkpoint_position(cfg, path: str):
+    """(manifest, F0): the checkpoint and the factor its run had at that step (from its metrics.jsonl)."""
+    from launcher.checkpoint import resume as checkpoint_resume
+
+    plan = checkpoint_resume.plan_resume(cfg, cfg.world_size, path)
+    manifest = plan.manifest
+    if manifest.partial_window:
+        raise ConfigError("--from", f"{path} was taken inside a window", "branch from a checkpoint at a step boundary")
+    metrics = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(plan.path))), "metrics.jsonl")
+    factor = 1
+    if os.path.exists(metrics):
+        with open(metrics, encoding="utf-8") as f:
+            for line in f:
+                record = json.loads(line)
+                if record.get("step") == manifest.step:
+                    factor = int(record["factor"])
+    return plan.path, manifest, factor
+
+
+def steps_for(samples: int, factor: int, manifest, per_rank: int, micro: int, world: int, epochs: int) -> int:
+    """Optimizer steps at ``factor`` from the checkpoint's position until ``samples`` samples are read."""
+    batches = math.ceil(per_rank / micro)
+    epoch, index, read, steps = manifest.epoch, manifest.micro_batch, 0, 0
+    while read < samples:
+        if index >= batches:
+            epoch, index = epoch + 1, 0
+        if epoch >= epochs:
+            raise ConfigError("--samples", f"{samples} samples are more than the run has left after the checkpoint "
+                              f"(at factor {factor})", "lower --samples or raise run.epochs")
+        size = min(factor, batches - index)
+        read += sum(world * min(micro, per_rank - i * micro) for i in range(index, index + size))
+        index, steps = index + size, steps + 1
+    return steps
+
+
+def branch_argv(args, cfg, out: str, factor: int, factor0: int, step: int, steps: int, checkpoint: str) -> list:
+    run_dir = os.path.join(out, f"factor-{factor}")
+    sets = list(args.set) + [f"run.output_dir={run_dir}", "accumulation.unit=step",
+                             f"accumulation.schedule={{0: {factor0}, {step}: {factor}}}",
+                             f"run.max_steps={step + steps}", "checkpoint.force_resume=true"]
+    if cfg.accumulation.global_batch is not None:
+        sets.append("accumulation.global_batch=null")
+    if cfg.lr_scheduler is not None:
+        sets += ["lr_scheduler.name=constant", "lr_scheduler.warmup_steps=0", "lr_scheduler.args={}"]
+    own = os.path.join(run_dir, "checkpoints")
+    resume = "auto" if os.path.isdir(own) and os.listdir(own) else checkpoint
+    argv = [sys.executable, "-m", "launcher", "run", args.config, "--resume", resume]
+    for item in sets:
+        argv += ["--set", item]
+    return argv
+
+
+def reached_loss(run_dir: str) -> float:
+    """The branch's last val_loss, else its mean training loss over the last quarter of its samples."""
+    with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
+    last = summary.get("last_eval") or {}
+    if isinstance(last, dict) and last.get("val_loss") is not None:
+        return float(last["val_loss"])
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f]
+    total = sum(m["samples"] for m in lines)
+    kept, seen = [], 0
+    for m in reversed(lines):
+        kept.append(m)
+        seen += m["samples"]
+        if seen >= total / 4:
+            break
+    return sum(m["loss"] * m["samples"] for m in kept) / sum(m["samples"] for m in kept)
+
+
+def critical(results: list[dict], tolerance: float) -> int:
+    best = min(r["loss"] for r in results)
+    return max(r["factor"] for r in results if r["loss"] <= best + abs(best) * tolerance)
+
+
+def main(args) -> int:
+    cfg = load_config(args.config, list(args.set))
+    factors = parse_factors(args.factors)
+    if args.samples < 1:
+        raise ConfigError("--samples", f"{args.samples} is not >= 1", "give the samples each branch trains on")
+    checkpoint, manifest, factor0 = checkpoint_position(cfg, args.checkpoint)
+    out = os.path.abspath(args.out or os.path.join(cfg.run.output_dir, "cbs"))
+    from launcher import tasks
+    from launcher.train.schedule_from import batches_per_rank
+
+    world, micro = cfg.world_size, cfg.data.micro_batch_size
+    per_rank, _ = batches_per_rank(len(tasks.build(cfg.task.target, cfg.task.args).dataset), world, micro, False)
+    results = []
+    for factor in factors:
+        steps = steps_for(args.samples, factor, manifest, per_rank, micro, world, cfg.run.epochs)
+        run_dir = os.path.join(out, f"factor-{factor}")
+        if not os.path.exists(os.path.join(run_dir, "summary.json")):
+            print(f"accum-sched cbs: factor {factor}: {steps} steps from step {manifest.step}", flush=True)
+            done = subprocess.run(branch_argv(args, cfg, out, factor, factor0, manifest.step, steps, checkpoint))
+            if done.returncode != 0:
+                print(f"accum-sched cbs: the factor-{factor} branch failed (exit {done.returncode}); rerun the same "
+                      f"command to resume it", file=sys.stderr)
+                return done.returncode
+        results.append({"factor": factor, "steps": steps, "loss": reached_loss(run_dir), "dir": run_dir})
+    pick = critical(results, args.tolerance)
+    report = {"checkpoint": checkpoint, "step": manifest.step, "factor_at_checkpoint": factor0,
+              "samples": args.samples, "tolerance": args.tolerance, "branches": results, "critical_factor": pick}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "cbs.json"), "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    _print_table(report)
+    _plot(report, os.path.join(out, "cbs.png"))
+    if args.apply:
+        path = os.path.join(out, "schedule.yaml")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(f"# accum-sched cbs: factor {factor0} up to step {manifest.step}, then the critical factor {pick}\n"
+                    f"accumulation:\n  unit: step\n  schedule: {{0: {factor0}, {manifest.step}: {pick}}}\n")
+        print(f"accum-sched cbs: wrote {path}; use it with --set accumulation.unit=step "
+              f"--set 'accumulation.schedule={{0: {factor0}, {manifest.step}: {pick}}}'")
+    return 0
+
+
+def _print_table(report: dict) -> None:
+    best = min(b["loss"] for b in report["branches"])
+    print(f"{'factor':>6}  {'steps':>6}  {'loss':>9}  {'vs best':>8}")
+    for b in report["branches"]:
+        mark = "  <- critical" if b["factor"] == report["critical_factor"] else ""
+        print(f"{b['factor']:>6}  {b['steps']:>6}  {b['loss']:>9.5f}  {(b['loss'] - best) / abs(best):>+8.2%}{mark}")
+    print(f"critical factor: {report['critical_factor']} (largest within {report['tolerance']:.1%} of the best loss, "
+          f"{report['samples']} samples from step {report['step']})")
+
+
+def _plot(report: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    xs = [b["factor"] for b in report["branches"]]
+    ax.plot(xs, [b["loss"] for b in report["branches"]], "o-")
+    ax.axvline(report["critical_factor"], color="grey", linestyle="--", label="critical factor")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("accumulation factor")
+    ax.set_ylabel("loss reached")
+    ax.set_title(f"{report['samples']} samples from step {report['step']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

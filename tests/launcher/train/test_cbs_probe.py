@@ -1,0 +1,99 @@
+"""`accum-sched cbs` (issue 27.3): branches per factor from one checkpoint over the same samples.
+
+- the factor-1 branch of a factor-1 run at a constant LR continues that run bit for bit: its metrics lines equal
+  the original's next steps (same weights, optimizer state, data order and RNG: the branches start from the
+  checkpoint's state, not from a re-initialised model);
+- every branch reads the same number of samples, each in its own directory, with the factor asked for;
+- the report's critical factor is the largest whose loss is within the tolerance of the best (recomputed here);
+- --apply writes the schedule; a second call reruns nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+import paths
+
+TESTS = paths.TESTS
+ROOT = os.path.dirname(TESTS)
+CONFIG = """\
+run: {{output_dir: {out}, seed: 0, epochs: 3}}
+task: {{target: "faulty_tasks:regression"}}
+data: {{micro_batch_size: 8, shuffle: true}}
+accumulation: {{schedule: {{0: 1}}}}
+optimizer: {{name: adamw, lr: 0.01}}
+distributed: {{backend: ddp, nproc_per_node: 2}}
+checkpoint: {{every_n_steps: 8, keep_last: 10}}
+logging: {{progress: plain, tensorboard: "off"}}
+"""
+
+
+def accum(*args, expect=0):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + TESTS + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "launcher", *args], cwd=TESTS, env=env, capture_output=True,
+                          text=True, timeout=600)
+    if expect is not None:
+        assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def lines(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cbs")
+    cfg = tmp / "run.yaml"
+    cfg.write_text(CONFIG.format(out=tmp / "run"))
+    accum("run", str(cfg))
+    checkpoint = tmp / "run" / "checkpoints" / "step-00000016"  # end of epoch 0
+    out = accum("cbs", str(cfg), "--from", str(checkpoint), "--factors", "1,2,4", "--samples", "128",
+                "--tolerance", "0.05", "--apply")
+    return tmp, cfg, checkpoint, out.stdout
+
+
+def test_the_factor_1_branch_continues_the_run_bit_for_bit(probe):
+    tmp, *_ = probe
+    original = {m["step"]: m for m in lines(tmp / "run")}
+    branch = lines(tmp / "run" / "cbs" / "factor-1")
+    assert [m["step"] for m in branch] == list(range(17, 25))  # 128 samples = 8 steps of 2 x 8
+    for m in branch:
+        want = original[m["step"]]
+        assert (m["loss"], m["lr"], m["samples"]) == (want["loss"], want["lr"], want["samples"]), m["step"]
+
+
+def test_every_branch_reads_the_same_samples_at_its_factor(probe):
+    tmp, *_ = probe
+    for factor, steps in ((1, 8), (2, 4), (4, 2)):
+        branch = lines(tmp / "run" / "cbs" / f"factor-{factor}")
+        assert len(branch) == steps and {m["factor"] for m in branch} == {factor}
+        assert sum(m["samples"] for m in branch) == 128
+        assert branch[0]["step"] == 17
+
+
+def test_the_report_names_the_critical_factor_and_applies_it(probe):
+    tmp, cfg, checkpoint, stdout = probe
+    report = json.loads((tmp / "run" / "cbs" / "cbs.json").read_text())
+    best = min(b["loss"] for b in report["branches"])
+    want = max(b["factor"] for b in report["branches"] if b["loss"] <= best * 1.05)
+    assert report["critical_factor"] == want and f"critical factor: {want}" in stdout
+    applied = yaml.safe_load((tmp / "run" / "cbs" / "schedule.yaml").read_text())
+    assert applied == {"accumulation": {"unit": "step", "schedule": {0: 1, 16: want}}}
+    again = accum("cbs", str(cfg), "--from", str(checkpoint), "--factors", "1,2,4", "--samples", "128")
+    assert "steps from step" not in again.stdout  # finished branches are read, not rerun
+
+
+def test_bad_probe_arguments_exit_2(probe):
+    tmp, cfg, checkpoint, _ = probe
+    bad = accum("cbs", str(cfg), "--from", str(checkpoint), "--factors", "0,x", "--samples", "8", expect=2)
+    assert bad.stderr.startswith("error: --factors:")
+    many = accum("cbs", str(cfg), "--from", str(checkpoint), "--samples", "100000", expect=2)
+    assert many.stderr.startswith("error: --samples:")
