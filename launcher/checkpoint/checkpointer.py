@@ -196,7 +196,13 @@ class Checkpointer:
 
     def _load_model(self, state: dict, path: str) -> None:
         load_shards(self.parts, path)
-        load_model_parts(self.parts, state)
+        # force_resume under another LR scheduler (accum-sched cbs holds the LR): the saved state is another
+        # scheduler's, so the configured one starts afresh from the optimizer's learning rate
+        changed = any(field.startswith("lr_scheduler") for field, _, _ in self.plan.diffs)
+        if changed:
+            self.ranks.say("warning: checkpoint.force_resume: the LR scheduler differs from the checkpoint's; it "
+                           "starts afresh at this step", sys.stderr)
+        load_model_parts(self.parts, state, lr_scheduler=not changed)
 
     def loader(self, epoch: int, loader):
         """What the engine should iterate in ``epoch`` (with skip=False): ``loader`` positioned at the resume point

@@ -98,13 +98,14 @@ def save_parts(parts: dict) -> dict:
     return entries
 
 
-def load_model_parts(parts: dict, state: dict) -> None:
-    """Model and optimizer (when trainer.pt holds them), LR scheduler and GradScaler from trainer.pt's ``state``."""
+def load_model_parts(parts: dict, state: dict, lr_scheduler: bool = True) -> None:
+    """Model and optimizer (when trainer.pt holds them), LR scheduler and GradScaler from trainer.pt's ``state``.
+    ``lr_scheduler=False``: the scheduler starts afresh (force_resume with another LR scheduler configured)."""
     if _model_in_trainer_pt(parts):
         parts["model"].load_state_dict(state["model"])
         parts["optimizer"].load_state_dict(state["optimizer"])
         own_optimizer_state(parts["optimizer"])
-    if parts["lr_scheduler"] is not None and state.get("lr_scheduler") is not None:
+    if lr_scheduler and parts["lr_scheduler"] is not None and state.get("lr_scheduler") is not None:
         parts["lr_scheduler"].load_state_dict(state["lr_scheduler"])  # also when DeepSpeed does not own it
     if parts["scaler"] is not None and state.get("scaler") is not None:
         parts["scaler"].load_state_dict(state["scaler"])

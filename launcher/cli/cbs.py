@@ -54,7 +54,8 @@ def parse_factors(text: str) -> list[int]:
 
 
 def checkpoint_position(cfg, path: str):
-    """(manifest, F0): the checkpoint and the factor its run had at that step (from its metrics.jsonl)."""
+    """(path, manifest, F0, LR): the checkpoint, the factor its run had at that step (its metrics.jsonl) and the
+    optimizer's learning rate there."""
     from launcher.checkpoint import resume as checkpoint_resume
 
     plan = checkpoint_resume.plan_resume(cfg, cfg.world_size, path)
@@ -62,14 +63,14 @@ def checkpoint_position(cfg, path: str):
     if manifest.partial_window:
         raise ConfigError("--from", f"{path} was taken inside a window", "branch from a checkpoint at a step boundary")
     metrics = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(plan.path))), "metrics.jsonl")
-    factor = 1
+    factor, lr = 1, None
     if os.path.exists(metrics):
         with open(metrics, encoding="utf-8") as f:
             for line in f:
                 record = json.loads(line)
                 if record.get("step") == manifest.step:
-                    factor = int(record["factor"])
-    return plan.path, manifest, factor
+                    factor, lr = int(record["factor"]), record.get("lr")
+    return plan.path, manifest, factor, checkpoint_lr(plan.path, lr, cfg.optimizer.lr)
 
 
 def steps_for(samples: int, factor: int, manifest, per_rank: int, micro: int, world: int, epochs: int) -> int:
@@ -88,15 +89,29 @@ def steps_for(samples: int, factor: int, manifest, per_rank: int, micro: int, wo
     return steps
 
 
-def branch_argv(args, cfg, out: str, factor: int, factor0: int, step: int, steps: int, checkpoint: str) -> list:
+def checkpoint_lr(checkpoint: str, metrics_lr: float | None, fallback: float) -> float:
+    """The learning rate the optimizer holds at the checkpoint (its first param group in trainer.pt; the
+    checkpoint step's metrics line where a back end keeps the optimizer in its own shards)."""
+    import torch
+
+    state = torch.load(os.path.join(checkpoint, "trainer.pt"), map_location="cpu", weights_only=True)
+    optimizer = state.get("optimizer")
+    if optimizer and optimizer.get("param_groups"):
+        return float(optimizer["param_groups"][0]["lr"])
+    return fallback if metrics_lr is None else float(metrics_lr)
+
+
+def branch_argv(args, cfg, out: str, factor: int, factor0: int, step: int, steps: int, checkpoint: str,
+                lr: float) -> list:
     run_dir = os.path.join(out, f"factor-{factor}")
     sets = list(args.set) + [f"run.output_dir={run_dir}", "accumulation.unit=step",
                              f"accumulation.schedule={{0: {factor0}, {step}: {factor}}}",
                              f"run.max_steps={step + steps}", "checkpoint.force_resume=true"]
     if cfg.accumulation.global_batch is not None:
         sets.append("accumulation.global_batch=null")
-    if cfg.lr_scheduler is not None:
-        sets += ["lr_scheduler.name=constant", "lr_scheduler.warmup_steps=0", "lr_scheduler.args={}"]
+    if cfg.lr_scheduler is not None:  # held: the optimizer's LR at the checkpoint, as the branch's base LR
+        sets += ["lr_scheduler.name=constant", "lr_scheduler.warmup_steps=0", "lr_scheduler.args={}",
+                 f"optimizer.lr={lr!r}"]
     own = os.path.join(run_dir, "checkpoints")
     resume = "auto" if os.path.isdir(own) and os.listdir(own) else checkpoint
     argv = [sys.executable, "-m", "launcher", "run", args.config, "--resume", resume]
@@ -134,7 +149,7 @@ def main(args) -> int:
     factors = parse_factors(args.factors)
     if args.samples < 1:
         raise ConfigError("--samples", f"{args.samples} is not >= 1", "give the samples each branch trains on")
-    checkpoint, manifest, factor0 = checkpoint_position(cfg, args.checkpoint)
+    checkpoint, manifest, factor0, lr = checkpoint_position(cfg, args.checkpoint)
     out = os.path.abspath(args.out or os.path.join(cfg.run.output_dir, "cbs"))
     from launcher import tasks
     from launcher.train.schedule_from import batches_per_rank
@@ -147,7 +162,8 @@ def main(args) -> int:
         run_dir = os.path.join(out, f"factor-{factor}")
         if not os.path.exists(os.path.join(run_dir, "summary.json")):
             print(f"accum-sched cbs: factor {factor}: {steps} steps from step {manifest.step}", flush=True)
-            done = subprocess.run(branch_argv(args, cfg, out, factor, factor0, manifest.step, steps, checkpoint))
+            done = subprocess.run(branch_argv(args, cfg, out, factor, factor0, manifest.step, steps, checkpoint,
+                                              lr))
             if done.returncode != 0:
                 print(f"accum-sched cbs: the factor-{factor} branch failed (exit {done.returncode}); rerun the same "
                       f"command to resume it", file=sys.stderr)

@@ -97,3 +97,18 @@ def test_bad_probe_arguments_exit_2(probe):
     assert bad.stderr.startswith("error: --factors:")
     many = accum("cbs", str(cfg), "--from", str(checkpoint), "--samples", "100000", expect=2)
     assert many.stderr.startswith("error: --samples:")
+
+
+def test_branches_hold_the_checkpoints_learning_rate_under_a_decaying_schedule(tmp_path):
+    cfg = tmp_path / "cos.yaml"
+    cfg.write_text(CONFIG.format(out=tmp_path / "cos").replace("distributed:", "lr_scheduler: {name: cosine}\n"
+                                                                               "distributed:"))
+    accum("run", str(cfg))
+    original = {m["step"]: m for m in lines(tmp_path / "cos")}
+    accum("cbs", str(cfg), "--from", str(tmp_path / "cos" / "checkpoints" / "step-00000016"), "--factors", "1,2",
+          "--samples", "64")
+    held = original[17]["lr"]  # what the optimizer held after step 16: the LR of step 17
+    assert original[20]["lr"] < held  # the original run decays on
+    for factor in (1, 2):
+        branch = lines(tmp_path / "cos" / "cbs" / f"factor-{factor}")
+        assert branch and all(m["lr"] == pytest.approx(held, rel=1e-12) for m in branch), (factor, branch[0]["lr"])
