@@ -32,6 +32,9 @@ def preflight(cfg: Config) -> None:
     from launcher import backends  # torch-free, like everything here
 
     backends.get(cfg.distributed.backend).preflight(cfg)  # e.g. the DeepSpeed JSON against the launch's world
+    from launcher.config import trackers
+
+    trackers.preflight(cfg)  # logging.wandb / logging.mlflow: the package is installed
 
 
 def main(args) -> int:

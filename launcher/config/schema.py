@@ -22,6 +22,7 @@ import yaml
 from launcher import backends
 from launcher.config import noise as noise_config
 from launcher.config import sections
+from launcher.config import trackers as trackers_config
 from launcher.config.sections import LR_SCHEDULERS, OPTIMIZERS, Config, Section  # noqa: F401 (re-exported)
 from launcher.errors import ConfigError
 
@@ -264,6 +265,7 @@ def _cross_check(cfg: Config) -> None:
     _check_schedule_from(cfg)
     del schedule
     noise_config.check(cfg)
+    trackers_config.check(cfg)
 
 
 def _mapping_of(field: str, value, keys: tuple, example: str) -> bool:

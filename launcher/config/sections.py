@@ -294,6 +294,13 @@ class LoggingConfig(Section):
     tensorboard: str = key("auto", train=False, choices=("auto", "on", "off"),
                            doc="event files in `output_dir/tensorboard` when TensorBoard is installed")
     log_every: int = key(10, train=False, check=at_least(1), doc="plain progress line every N steps")
+    # experiment trackers on rank 0 (launcher/config/trackers.py checks the keys; launcher/train/trackers.py logs)
+    wandb: dict | None = key(None, train=False,
+                             doc="null, or `{project, name, tags, mode: online|offline|disabled, entity, dir}`: log "
+                                 "config, metrics and summary to Weights & Biases; see [Trackers](trackers.md)")
+    mlflow: dict | None = key(None, train=False,
+                              doc="null, or `{experiment, run_name, tags, tracking_uri}` (default a file store in "
+                                  "`output_dir/mlruns`): log to MLflow; see [Trackers](trackers.md)")
 
 
 # `accum-sched slurm` only (launcher/launch/slurm.py checks the formats); nodes and workers per node come

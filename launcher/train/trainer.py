@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shlex
 import time
 from datetime import timedelta
 
@@ -24,7 +25,17 @@ from launcher.checkpoint.parts import SamplerEpoch
 from launcher.config import Config
 from launcher.errors import ConfigError
 from launcher.train import coordination, streams
-from launcher.train.metrics import MetricsWriter, Progress, atomic_write_json
+from launcher.train.metrics import (
+    MetricsWriter,
+    Progress,
+    Throughput,
+    atomic_write_json,
+    epoch_seconds,
+    eta_seconds,
+    planned_micro_batches,
+    read_jsonl,
+    stream_remaining_micro_batches,
+)
 from launcher.train.optim import build_lr_scheduler, build_optimizer
 from launcher.train.preempt import requeue
 
@@ -168,6 +179,7 @@ class Trainer:
         self.model, self.optimizer, self.lr_scheduler = self.setup.model, self.setup.optimizer, self.setup.lr_scheduler
         self.engine = self._make_engine()
         self.metrics = None
+        self.trackers = None  # rank 0: logging.wandb / logging.mlflow (launcher/train/trackers.py)
         self.progress = None
         self.start = time.time()
         self.validation = self._make_validation()
@@ -269,6 +281,12 @@ class Trainer:
         os.makedirs(self.run_dir, exist_ok=True)
         self.metrics = MetricsWriter(self.run_dir, cfg.logging.tensorboard, self.start)
         self.progress = Progress(cfg.logging.progress, cfg.run.epochs, self.total_steps, cfg.logging.log_every)
+        # throughput over the last log_every steps; elapsed_s goes on from a resumed run's last kept line
+        self.throughput = Throughput(cfg.logging.log_every, self._counts_tokens(), self.metrics.elapsed_before)
+        self.planned_micro_batches = self._planned_micro_batches()
+        from launcher.train import trackers  # imports wandb / mlflow only when configured
+
+        self.trackers = trackers.start(cfg, self.run_dir, resumed=self.resume is not None)
         per_epoch = "a stream of" if streams.is_stream(self.task.dataset) else len(self.loader)
         steps = self.total_steps or "unplanned"
         print(f"accum-sched: world {self.world}, {per_epoch} micro-batches of "
@@ -290,8 +308,12 @@ class Trainer:
            finishes (early stop, max_steps) or answers the preemption.
         """
         if self.metrics is not None:
-            self.metrics.write(info, self.engine.effective_batch)
-            self.progress.step(info, self.engine.effective_batch)
+            speed = self.throughput.add(info)
+            record = self.metrics.write(info, self.engine.effective_batch, speed)
+            if self.trackers is not None:
+                self.trackers.log_step(record if isinstance(record, dict) else info.to_dict())
+            eta = eta_seconds(self._remaining_micro_batches(info), speed["seconds_per_micro_batch"])
+            self.progress.step(info, self.engine.effective_batch, speed, eta)
         if self.validation is not None and self.validation.due_after_step(info.step):
             self.validate(info.epoch)
             if self.early_stopped:
@@ -299,6 +321,49 @@ class Trainer:
         if self._reached_max_steps():
             self.engine.should_stop = True
         self.checkpointer.on_step(info)
+
+    def _counts_tokens(self) -> bool:
+        """Whether a step's ``elements`` are tokens (tokens_per_s): the task declares a token count (count_fn or
+        length_fn, the task contract's "elements (tokens)" counters), or the schedule is keyed by tokens. Anything
+        else (builtin:regression: one element per sample) reports tokens_per_s null."""
+        task = self.task
+        return task.count_fn is not None or task.length_fn is not None or self.schedule.unit == "tokens"
+
+    def _planned_micro_batches(self) -> int | None:
+        """Micro-batches per rank of the whole run, the ETA's total; None where not known ahead (a stream, whose
+        remainder is counted per step instead; max_steps under an adaptive factor or a tokens-keyed schedule).
+
+        Every epoch runs all of its micro-batches whatever the factors, so without run.max_steps it is epochs x
+        micro-batches per epoch; run.max_steps cuts the run after that many windows, whose sizes the schedule
+        gives (a growing factor makes the last steps cost more micro-batches than the first)."""
+        cfg = self.cfg
+        if streams.is_stream(self.task.dataset):
+            return None
+        batches, max_steps = len(self.loader), cfg.run.max_steps
+        if max_steps is None:
+            return batches * cfg.run.epochs
+        if self.adaptive is not None or self.schedule.unit == "tokens":
+            return None
+        from accum_sched.planning import simulate_windows
+
+        micro, per_rank = cfg.data.micro_batch_size, len(self.sampler)
+        samples = (lambda e, i: self.world * min(micro, per_rank - i * micro)) if self.schedule.unit == "samples" \
+            else None
+        windows = (size for _, _, size in simulate_windows(self.schedule, batches, cfg.run.epochs, samples))
+        return planned_micro_batches(windows, max_steps)
+
+    def _remaining_micro_batches(self, info) -> int | None:
+        """Micro-batches per rank left after this step (None: not known, no ETA). A stream knows its end only by
+        run.max_steps: the steps left times their factors, by step for a step-keyed schedule, else at the current
+        factor (epochs, samples and tokens of a stream are not known ahead)."""
+        if self.planned_micro_batches is not None:
+            return self.planned_micro_batches - self.engine.micro_steps
+        max_steps = self.cfg.run.max_steps
+        if not streams.is_stream(self.task.dataset) or max_steps is None:
+            return None
+        by_step = self.adaptive is None and self.schedule.unit == "step"
+        milestones = self.schedule.milestones if by_step else ((0, info.factor),)
+        return stream_remaining_micro_batches(milestones, info.step, max_steps)
 
     def _reached_max_steps(self) -> bool:
         return self.cfg.run.max_steps is not None and self.engine.optimizer_steps >= self.cfg.run.max_steps
@@ -316,6 +381,8 @@ class Trainer:
         record = self.validation.run(epoch, self.engine.optimizer_steps)
         if self.metrics is not None:
             self.metrics.write_eval(record)
+            if self.trackers is not None:
+                self.trackers.log_eval(record)
         if self.progress is not None:
             self.progress.evaluation(record, self.validation.best, self.cfg.eval.monitor)
         if self.validation.stop:
@@ -337,6 +404,8 @@ class Trainer:
         if self.rank != 0:
             return
         self.metrics.close()
+        if self.trackers is not None:
+            self.trackers.close(preempted=True)
         inside = f"; inside a window, after micro-batch {self.engine.micro_in_epoch} of epoch " \
                  f"{self.engine.epoch_index}" if self.engine.window_open else ""
         # Said before the requeue: SLURM may end this job step as soon as scontrol requeue returns.
@@ -356,6 +425,7 @@ class Trainer:
         counters = self.engine.counters()
         if self.rank != 0:
             return
+        training = self._training_summary(counters)  # before the model is written: training time only
         path = os.path.join(self.run_dir, "model.pt")
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
@@ -375,11 +445,31 @@ class Trainer:
             "final_factor": counters["factor"], "effective_batch": counters["effective_batch"],
             "wall_seconds": round(time.time() - self.start, 3), "backend": self.cfg.distributed.backend,
             "stopped_early": bool((self.engine.should_stop and not self._reached_max_steps()) or self.early_stopped),
-            **compile_stats(self.model),
+            **compile_stats(self.model), **training,
         }
         if self.validation is not None:
             summary.update(self.validation.summary())
         atomic_write_json(os.path.join(self.run_dir, "summary.json"), summary)
+        if self.trackers is not None:
+            self.trackers.finish(summary)
         self.metrics.close()
         print(f"accum-sched: done: {summary['optimizer_steps']} optimizer steps, final loss "
-              f"{summary['final_loss']:.4f}, {summary['wall_seconds']:.1f}s; outputs in {self.run_dir}", flush=True)
+              f"{summary['final_loss']:.4f}, {summary['wall_seconds']:.1f}s", flush=True)
+        self._print_where_outputs_are()
+
+    def _training_summary(self, counters: dict) -> dict:
+        """summary.json's speed fields: the run's training seconds (a resume's earlier sessions included, like
+        metrics.jsonl's elapsed_s), mean throughput = totals / those seconds, and each completed epoch's wall-clock."""
+        elapsed = max(self.throughput.elapsed(), 1e-9)
+        return {"elapsed_s": round(elapsed, 3), "samples_per_s": round(counters["samples"] / elapsed, 3),
+                "tokens_per_s": round(counters["elements"] / elapsed, 3) if self.throughput.tokens else None,
+                "epoch_seconds": epoch_seconds(read_jsonl(self.metrics.path), self.engine.epoch_index)}
+
+    def _print_where_outputs_are(self) -> None:
+        """The run's last lines: its directory (absolute: the run may have been started from anywhere), the files
+        in it, and the command that shows the report."""
+        run_dir = os.path.abspath(self.run_dir)
+        files = [name for name in ("metrics.jsonl", "summary.json", "model.pt", "eval.jsonl")
+                 if os.path.exists(os.path.join(run_dir, name))]
+        print(f"accum-sched: outputs in {run_dir}: {', '.join(files)}", flush=True)
+        print(f"accum-sched: see the report: accum-sched report {shlex.quote(run_dir)}", flush=True)

@@ -65,9 +65,11 @@ def fault(mode, rank, at, marker):
 def outputs(run_dir):
     model = torch.load(os.path.join(run_dir, "model.pt"), weights_only=True)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        metrics = [{k: v for k, v in json.loads(line).items() if k != "wall_time"} for line in f]
+        timing = ("wall_time", "samples_per_s", "tokens_per_s", "elapsed_s")  # differ between runs
+        metrics = [{k: v for k, v in json.loads(line).items() if k not in timing} for line in f]
     with open(os.path.join(run_dir, "summary.json")) as f:
-        summary = {k: v for k, v in json.load(f).items() if k != "wall_seconds"}
+        summary = {k: v for k, v in json.load(f).items()
+                   if k not in ("wall_seconds", "elapsed_s", "samples_per_s", "tokens_per_s", "epoch_seconds")}
     return model, metrics, summary
 
 
