@@ -13,7 +13,7 @@ from launcher.cli.check import preflight
 from launcher.config import load_config, write_resolved
 from launcher.errors import ConfigError
 from launcher.launch import env as launch_env
-from launcher.launch import forward
+from launcher.launch import forward, malloc
 from launcher.launch.torchrun import LaunchPlan, run_id, torchrun_argv
 
 
@@ -78,7 +78,7 @@ def main(args) -> int:
     plan = LaunchPlan(nproc_per_node=dist.nproc_per_node, nnodes=dist.nnodes, node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, rdzv_id=run_id(os.path.abspath(run_dir)),
                       max_restarts=dist.max_restarts)
-    env = dict(os.environ)
+    env = malloc.worker_env(os.environ)  # host allocator settings (launcher/launch/malloc.py: RSS under FSDP2)
     # torchrun would set 1 thread per worker with a warning; share the cores out instead, unless the user chose.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // dist.nproc_per_node)))
     env.setdefault("PYTHONUNBUFFERED", "1")
