@@ -460,8 +460,8 @@ class Trainer:
     def _training_summary(self, counters: dict) -> dict:
         """summary.json's speed fields: the run's training seconds (a resume's earlier sessions included, like
         metrics.jsonl's elapsed_s), mean throughput = totals / those seconds, and each completed epoch's wall-clock."""
-        elapsed = max(self.throughput.elapsed(), 1e-9)
-        return {"elapsed_s": round(elapsed, 3), "samples_per_s": round(counters["samples"] / elapsed, 3),
+        elapsed = max(round(self.throughput.elapsed(), 3), 1e-3)  # the rates are of the seconds written
+        return {"elapsed_s": elapsed, "samples_per_s": round(counters["samples"] / elapsed, 3),
                 "tokens_per_s": round(counters["elements"] / elapsed, 3) if self.throughput.tokens else None,
                 "epoch_seconds": epoch_seconds(read_jsonl(self.metrics.path), self.engine.epoch_index)}
 
