@@ -159,7 +159,11 @@ class AccumulationEngine:
             step's gradient for NaN/inf and report its norm.
         gradient_sync: FSDP2 models only: ``"boundary"`` (default; one reduce-scatter per optimizer step, unsharded
             gradients held inside the window) or ``"every_micro_batch"`` (reduce-scatter each micro-batch into
-            sharded gradients; less memory, more traffic). See accum_sched/backends/fsdp.py.
+            sharded gradients; less memory, more traffic) or ``"reduce_scatter"`` (HSDP, a 2-D mesh: reduce-scatter
+            each micro-batch inside the shard group, all-reduce across replicas at the boundary only). See
+            accum_sched/backends/fsdp.py.
+        keep_gathered: FSDP2 models only: keep the gathered parameters from a window's first forward to its last
+            backward (one all-gather per parameter group and window; the full parameters held all window).
         read_ahead: streams only (a loader without ``len()``): micro-batches read ahead per end-agreement
             all-reduce (accum_sched/streams.py): an epoch of ``n`` costs ``1 + (n - 1) // read_ahead`` small
             asynchronous all-reduces and holds at most ``read_ahead + 1`` micro-batches ahead. Default 4.
@@ -169,7 +173,7 @@ class AccumulationEngine:
                  normalize: str = "elements", uneven: str = "truncate", nonfinite: str = "skip",
                  precision: str = "fp32", micro_batch_size: int | None = None, count_allreduce: bool = True,
                  lr_coupling: str = "none", noise_scale: bool = False, adaptive=None, stop_at: str = "boundary",
-                 norm_every: int | None = None, gradient_sync: str = "boundary",
+                 norm_every: int | None = None, gradient_sync: str = "boundary", keep_gathered: bool = False,
                  read_ahead: int = streams.READ_AHEAD, co_scale: dict | None = None):
         for name, value, allowed in (("normalize", normalize, NORMALIZE), ("uneven", uneven, UNEVEN),
                                      ("nonfinite", nonfinite, NONFINITE), ("precision", precision, PRECISION),
@@ -203,7 +207,8 @@ class AccumulationEngine:
         self.read_ahead = read_ahead
         # fp16: torch back ends run a GradScaler (backend.scaler); DeepSpeed's fp16 brings its own loss scaler
         self.backend = make_backend(model, optimizer, lr_scheduler, precision=precision,
-                                    count_allreduce=count_allreduce, gradient_sync=gradient_sync)
+                                    count_allreduce=count_allreduce, gradient_sync=gradient_sync,
+                                    keep_gathered=keep_gathered)
         self.world_size = self.backend.world_size
         self.callbacks: list[Callable[[StepInfo], None]] = []
         self.co_scale = self._make_co_scale(co_scale, lr_coupling)

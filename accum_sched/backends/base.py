@@ -67,7 +67,8 @@ class BackendOptions:
 
     precision: str = "fp32"  # "fp32", "bf16" or "fp16" (see Capabilities.fp16)
     count_allreduce: bool = True  # DDP: count gradient all-reduce rounds with the engine's comm hook
-    gradient_sync: str = "boundary"  # FSDP2 only: "boundary" or "every_micro_batch"
+    gradient_sync: str = "boundary"  # FSDP2 only: "boundary", "every_micro_batch" or "reduce_scatter"
+    keep_gathered: bool = False  # FSDP2 only: parameters stay gathered across a window's micro-batches
 
 
 class Backend(abc.ABC):

@@ -1,22 +1,37 @@
 """FSDP2 back end: the engine's windows on a model that ``torch.distributed.fsdp.fully_shard`` was applied to.
 
-How a window runs, in the two gradient-sync modes:
+How a window runs, in the three gradient-sync modes. The mesh may be 1-D (one shard group of every rank) or 2-D,
+``(replicas, shards)`` (HSDP: the parameters are sharded inside each shard group and replicated across the groups;
+a gradient is reduce-scattered inside the shard group, then all-reduced across the replicas):
 
 * ``boundary`` (default): non-boundary micro-batches run with ``set_requires_gradient_sync(False)``, so FSDP2 keeps
   each parameter's *unsharded* gradient on this rank and adds the next backward into it; the boundary micro-batch
-  reduce-scatters the window's sum once. One reduce-scatter per optimizer step, a full-size gradient per rank.
-* ``every_micro_batch``: every backward reduce-scatters, and FSDP2 adds the result into the *sharded* gradient.
-  Only a 1/world shard of the gradient is ever held (like ZeRO-2), at one reduce-scatter per micro-batch.
+  reduce-scatters (and, under HSDP, all-reduces) the window's sum once. No gradient collective off the boundary, a
+  full-size gradient per rank.
+* ``every_micro_batch``: every backward reduce-scatters and all-reduces, and FSDP2 adds the result into the
+  *sharded* gradient. Only a 1/shards shard of the gradient is ever held (like ZeRO-2).
+* ``reduce_scatter``: every backward reduce-scatters inside the shard group, and FSDP2 adds the result into a
+  partial shard (``set_requires_all_reduce(False)``); only the boundary all-reduces it across the replicas. The
+  shard-sized memory of ``every_micro_batch`` with the cross-replica traffic of ``boundary``. On a 1-D mesh there is
+  no all-reduce to defer, and it is ``every_micro_batch``.
+
+``keep_gathered``: every module keeps its gathered parameters from the window's first forward to its last backward
+(``set_reshard_after_forward(False)``, and ``set_reshard_after_backward`` false off the boundary), so a window
+all-gathers each parameter group once instead of once or twice per micro-batch, for the memory of the full
+parameters held all window. The boundary backward reshards, so the optimizer steps the shards and the next window
+gathers the new values.
 
 Exactness: FSDP2's reduce-scatter averages over the ranks by default (ReduceOp.AVG, or a post-division by the world
-size where the reduce dtype risks overflow), just like DDP's all-reduce; the mean of sums is linear, so both modes
-deliver (sum over the window on all ranks) / world and the engine's usual coefficient (world / global element count,
+size where the reduce dtype risks overflow), just like DDP's all-reduce (under HSDP the reduce-scatter averages over
+the shard group and the all-reduce over the replicas: the world in all); the mean of sums is linear, so every mode
+delivers (sum over the window on all ranks) / world and the engine's usual coefficient (world / global element count,
 ``averages_over_world``) turns it into the large-batch mean. A user-set ``set_gradient_divide_factor`` would change
 that divisor, so it is refused.
 
 At the boundary each rank holds a disjoint shard of the reduced gradient (a DTensor; ``to_local()`` is the shard).
 The global norm is the square root of the sum over ranks of the squared local norms, summed in the same all-reduce as
-the window's counts (one small all-reduce per step either way);
+the window's counts (one small all-reduce per step either way); under HSDP every replica holds the same shards, so
+only the ranks of the first replica contribute theirs;
 clipping and normalisation multiply the local shards in place, which scales the whole gradient. A rank whose shard
 is empty (``Linear(5, 1)`` on 2 ranks) contributes zero and still takes part in the all-reduce.
 """
@@ -31,7 +46,7 @@ from accum_sched.backends.base import BackendOptions
 from accum_sched.backends.torch_optim import TorchBackend
 from accum_sched.step_rules import squared_norm
 
-SYNC_MODES = ("boundary", "every_micro_batch")
+SYNC_MODES = ("boundary", "every_micro_batch", "reduce_scatter")
 
 
 def fsdp_modules(model: torch.nn.Module) -> list:
@@ -52,7 +67,8 @@ class FSDPBackend(TorchBackend):
     Args:
         model: the root module, on which ``fully_shard`` was applied (after its blocks, if any).
         optimizer: a torch optimizer built on ``model.parameters()`` *after* sharding (DTensor parameters).
-        gradient_sync: ``"boundary"`` or ``"every_micro_batch"`` (see the module docstring).
+        options: ``gradient_sync`` (``"boundary"``, ``"every_micro_batch"`` or ``"reduce_scatter"``) and
+            ``keep_gathered`` (see the module docstring).
     """
 
     name = "FSDP2"
@@ -74,9 +90,22 @@ class FSDPBackend(TorchBackend):
                              "MixedPrecisionPolicy(param_dtype=torch.bfloat16)")
         super().__init__(model, optimizer, lr_scheduler, options)
         self.gradient_sync = gradient_sync
+        self.keep_gathered = bool(options.keep_gathered)
         self.world_size = collective.world_size()
         self._modules = fsdp_modules(model)
-        mesh_size = None
+        self.replicas, self._replica_rank = self._check_mesh()
+        if self.keep_gathered:  # gathered in the window's first forward, kept until its last backward
+            for module in self._modules:
+                module.set_reshard_after_forward(False, recurse=False)
+        self._sync: tuple | None = None  # what the FSDP2 modules were last told (set only on a change)
+        self._rounds = 0
+        self._stats_group = collective.stats_group()
+
+    def _check_mesh(self) -> tuple[int, int]:
+        """(replicas, this rank's replica index) of the model's mesh, refusing what the engine cannot normalise: a
+        mesh that does not cover every rank once, or a changed gradient divisor."""
+        sizes = set()
+        replica_rank = 0
         for module in self._modules:
             for group in _param_groups(module):
                 factor = group.gradient_divide_factor
@@ -84,13 +113,18 @@ class FSDPBackend(TorchBackend):
                     raise ValueError(f"set_gradient_divide_factor({factor}) was called on the FSDP2 model: the engine "
                                      f"normalises exactly and needs FSDP2's default mean over the {self.world_size} "
                                      f"ranks; remove that call")
-                mesh_size = group.mesh_info.shard_mesh_size if mesh_size is None else mesh_size
-        if mesh_size is not None and mesh_size != self.world_size:
-            raise ValueError(f"the FSDP2 mesh shards over {mesh_size} ranks but the process group has "
-                             f"{self.world_size}: only a 1-D data-parallel mesh over every rank is supported")
-        self._sync: bool | None = None  # what the FSDP2 modules were last told (set only on a change)
-        self._rounds = 0
-        self._stats_group = collective.stats_group()
+                info = group.mesh_info
+                replicas = getattr(info, "replicate_mesh_size", 1)
+                sizes.add((replicas, info.shard_mesh_size))
+                replica_rank = getattr(info, "replicate_mesh_rank", 0)
+        if len(sizes) > 1:
+            raise ValueError(f"the FSDP2 modules use different meshes {sorted(sizes)}: shard every module on one mesh")
+        replicas, shards = sizes.pop() if sizes else (1, self.world_size)
+        if replicas * shards != self.world_size:
+            raise ValueError(f"the FSDP2 mesh covers {replicas} x {shards} ranks but the process group has "
+                             f"{self.world_size}: use a 1-D mesh over every rank or a (replicas, shards) mesh of "
+                             f"all of them")
+        return replicas, replica_rank
 
     @property
     def allreduce_rounds(self) -> int:
@@ -102,17 +136,27 @@ class FSDPBackend(TorchBackend):
         return None
 
     # -- per micro-batch ----------------------------------------------------------------------------------------
-    def _set_sync(self, sync: bool) -> None:
-        if sync != self._sync:
+    def _flags(self, boundary: bool) -> tuple[bool, bool, bool]:
+        """(reduce-scatter, all-reduce across replicas, reshard after backward) for a micro-batch."""
+        reduce = boundary or self.gradient_sync != "boundary"
+        all_reduce = boundary or self.gradient_sync == "every_micro_batch"
+        return reduce, all_reduce, boundary or not self.keep_gathered
+
+    def _set_sync(self, flags: tuple[bool, bool, bool]) -> None:
+        if flags != self._sync:
+            reduce, all_reduce, reshard = flags
             for module in self._modules:  # recurse=False each: one pass over the FSDP2 modules, not all modules
-                module.set_requires_gradient_sync(sync, recurse=False)
-            self._sync = sync
+                module.set_requires_gradient_sync(reduce, recurse=False)  # sets the all-reduce flag too: then ours
+                module.set_requires_all_reduce(reduce and all_reduce, recurse=False)
+                module.set_reshard_after_backward(reshard, recurse=False)
+            self._sync = flags
 
     def sync_context(self, boundary: bool):
-        """Before the forward: FSDP2 reads the flag in its post-backward hooks, so set it for the whole micro-batch."""
-        sync = boundary or self.gradient_sync == "every_micro_batch"
-        self._set_sync(sync)
-        self._rounds += int(sync)
+        """Before the forward: FSDP2 reads the flags in its post-backward hooks, so set them for the whole
+        micro-batch."""
+        flags = self._flags(boundary)
+        self._set_sync(flags)
+        self._rounds += int(flags[0])
         return super().sync_context(boundary)
 
     # -- per window ---------------------------------------------------------------------------------------------
@@ -145,6 +189,8 @@ class FSDPBackend(TorchBackend):
                 work.wait()
             return stats, None
         squared = squared_norm(self._grads(), stats.device)
+        if self._replica_rank:  # the first replica's shards stand for the others' identical copies
+            squared = torch.zeros_like(squared)
         both = collective.all_sum(torch.cat([stats, squared.reshape(1)]), group=self._stats_group)
         return both[:-1], both[-1]
 

@@ -45,11 +45,12 @@ def backend_class(model) -> type[Backend]:
 
 
 def make_backend(model, optimizer=None, lr_scheduler=None, *, precision: str = "fp32", count_allreduce: bool = True,
-                 gradient_sync: str = "boundary") -> Backend:
+                 gradient_sync: str = "boundary", keep_gathered: bool = False) -> Backend:
     """The back end for ``model``: a DeepSpeed engine, an FSDP2 root, a DDP module, or a plain module in one
     process. ``precision="fp16"`` gives torch back ends a GradScaler; ``gradient_sync`` (FSDP2 only):
-    ``"boundary"`` or ``"every_micro_batch"``."""
-    options = BackendOptions(precision=precision, count_allreduce=count_allreduce, gradient_sync=gradient_sync)
+    ``"boundary"``, ``"every_micro_batch"`` or ``"reduce_scatter"``, and ``keep_gathered``."""
+    options = BackendOptions(precision=precision, count_allreduce=count_allreduce, gradient_sync=gradient_sync,
+                             keep_gathered=keep_gathered)
     return backend_class(model)(model, optimizer, lr_scheduler, options)
 
 
