@@ -382,20 +382,73 @@ def _check_eval(section) -> None:
 
 
 # -- loading ----------------------------------------------------------------------------------------------------
+MAX_YAML_VALUES = 200_000  # values a config may expand to, aliases followed (docs/reliability.md: alias bombs)
+
+
+def safe_load(text: str, field: str = "config"):
+    """``yaml.safe_load`` that refuses, with one line naming ``field``, a document whose aliases expand it past
+    MAX_YAML_VALUES values (a "billion laughs" bomb: a few lines that become 9**9 strings once hashed or dumped), an
+    alias to itself, or nesting too deep for the parser. The node graph is measured before anything is built."""
+    loader = yaml.SafeLoader(text)
+    try:
+        try:
+            node = loader.get_single_node()
+        except RecursionError:
+            raise ConfigError(field, "the YAML is nested too deeply", "flatten it (a config needs a few levels)") \
+                from None
+        if node is None:
+            return None
+        _expanded_size(node, field, {}, set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _expanded_size(node, field: str, sizes: dict, open_: set) -> int:
+    """How many values ``node`` holds with every alias expanded (each shared node measured once)."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_:
+        raise ConfigError(field, "a YAML alias refers to the node that holds it (an endless value)",
+                          "write the value out instead of the alias")
+    open_.add(key)
+    size = 1
+    if isinstance(node, yaml.SequenceNode):
+        size += sum(_expanded_size(child, field, sizes, open_) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size += sum(_expanded_size(k, field, sizes, open_) + _expanded_size(v, field, sizes, open_)
+                    for k, v in node.value)
+    open_.discard(key)
+    if size > MAX_YAML_VALUES:
+        raise ConfigError(field, f"the YAML expands to more than {MAX_YAML_VALUES} values through its aliases "
+                          "(an alias bomb?)", "write the values out, without nested anchors and aliases (*name)")
+    sizes[key] = size
+    return size
+
+
 def read_yaml(path: str) -> dict:
-    """Safe-load a YAML file; syntax errors become one line with line and column."""
+    """Safe-load a YAML file; syntax errors become one line with line and column. The file must be UTF-8, hold a
+    mapping of sections and stay within MAX_YAML_VALUES once its aliases are expanded."""
     if not os.path.isfile(path):
         raise ConfigError("config", f"file {path!r} not found", "check the path (accum-sched run CONFIG.yaml)")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
     try:
-        data = yaml.safe_load(text)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as exc:
+        raise ConfigError("config", f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})",
+                          "save the config as UTF-8 YAML") from None
+    try:
+        data = safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError("config", f"YAML syntax error in {path}{where}: {problem}",
                           "fix the YAML at that position") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError("config", f"{path} holds a {type(data).__name__}, not a mapping of sections",
+                          "start with e.g. 'task: {target: builtin:regression}'")
     return {} if data is None else data
 
 
@@ -421,7 +474,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             if parts[2] not in schema:
                 raise ConfigError(key, "unknown key", _did_you_mean(parts[2], schema))
         try:
-            value = yaml.safe_load(text) if text.strip() else ""
+            value = safe_load(text, f"--set {key}") if text.strip() else ""
         except yaml.YAMLError:
             value = text
         field = SCHEMA[section][name].schema[parts[2]] if nested else SCHEMA[section][name]
