@@ -20,18 +20,23 @@ into optimizer steps, and the LR, differ:
   factor-1 step count (the adaptive total is an upper bound), so its decays come later in samples, or not at all.
 
 Reported per arm: final validation loss (mean +- std over seeds), optimizer steps, wall-clock seconds of the run
-(summary.json's wall_seconds, this machine). Writes OUT/results.json and OUT/batch_science.png. Asserts nothing.
+(summary.json's wall_seconds, this machine) and of its `accum-sched run` process (startup included); for the cbs
+arm also the probe's seconds (its 3 branch processes) and the factor it picked. Writes OUT/results.json (the runs,
+the table, and the corpus's line count and sha256: the corpus follows the docs, so a later checkout trains on other
+text) and OUT/batch_science.png. Asserts nothing.
 """
 from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import json
 import math
 import os
 import statistics
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -97,6 +102,7 @@ def run_arm(arm: str, seed: int, epochs: int, corpus: str, batches: int, out: st
     os.makedirs(d, exist_ok=True)
     total = epochs * batches  # factor-1 steps = micro-batches per rank over the run
     half, three = total // 2, (3 * total) // 4
+    extra = {}
     slug = arm.split()[0]
     if arm == "small + step decay":
         path = config(d, slug, seed, epochs, corpus, "{schedule: {0: 1}}", [half, three])
@@ -109,11 +115,14 @@ def run_arm(arm: str, seed: int, epochs: int, corpus: str, batches: int, out: st
                       [half, three])
     elif arm == "cbs warm-up":
         base = os.path.join(d, "small")
+        began = time.monotonic()
         probe = accum("cbs", os.path.join(d, "small.yaml"), "--from", os.path.join(base, "checkpoints",
                                                                                    f"step-{batches:08d}"),
                       "--factors", "1,2,4", "--samples", str(batches * 2), "--tolerance", "0.01", "--apply")
+        extra["probe_seconds"] = round(time.monotonic() - began, 3)  # the 3 branches, processes included
         with open(os.path.join(base, "cbs", "cbs.json"), encoding="utf-8") as f:
             pick = json.load(f)["critical_factor"]
+        extra["critical_factor"] = pick
         per_epoch = math.ceil(batches / pick)  # steps per epoch after the first (its last window may be partial)
 
         def steps_at(micro: int) -> int:  # optimizer steps taken when ``micro`` micro-batches have been read
@@ -127,7 +136,9 @@ def run_arm(arm: str, seed: int, epochs: int, corpus: str, batches: int, out: st
         del probe
     else:
         path = config(d, slug, seed, epochs, corpus, "{adaptive: {min_factor: 1, max_factor: 4}}", [half, three])
+    began = time.monotonic()
     accum("run", path)
+    process_seconds = round(time.monotonic() - began, 3)
     run_dir = path[:-5]
     with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
         summary = json.load(f)
@@ -135,12 +146,12 @@ def run_arm(arm: str, seed: int, epochs: int, corpus: str, batches: int, out: st
         factors = sorted({json.loads(line)["factor"] for line in f})
     return {"arm": arm, "seed": seed, "val_loss": summary["last_eval"]["val_loss"],
             "steps": summary["optimizer_steps"], "samples": summary["samples"],
-            "seconds": summary["wall_seconds"], "factors": factors}
+            "seconds": summary["wall_seconds"], "process_seconds": process_seconds, "factors": factors, **extra}
 
 
 def table(results: list[dict]) -> list[str]:
-    lines = ["| arm | final val loss (mean ± std) | optimizer steps | samples | seconds | factors |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| arm | final val loss (mean ± std) | optimizer steps | samples | run s | process s | factors |",
+             "|---|---|---|---|---|---|---|"]
     for arm in ARMS:
         rows = [r for r in results if r["arm"] == arm]
         if not rows:
@@ -149,9 +160,10 @@ def table(results: list[dict]) -> list[str]:
         std = statistics.stdev(losses) if len(losses) > 1 else 0.0
         steps = sorted({r["steps"] for r in rows})
         seconds = statistics.mean(r["seconds"] for r in rows)
+        process = statistics.mean(r["process_seconds"] for r in rows)
         factors = sorted({f for r in rows for f in r["factors"]})
         lines.append(f"| {arm} | {statistics.mean(losses):.4f} ± {std:.4f} | {'/'.join(map(str, steps))} | "
-                     f"{rows[0]['samples']} | {seconds:.1f} | {factors} |")
+                     f"{rows[0]['samples']} | {seconds:.1f} | {process:.1f} | {factors} |")
     return lines
 
 
@@ -193,8 +205,16 @@ def main() -> None:
         for arm in ARMS:
             results.append(run_arm(arm, seed, args.epochs, corpus, batches, args.out))
             print(json.dumps(results[-1]), flush=True)
+    with open(corpus, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    with open(corpus, encoding="utf-8") as f:
+        n_lines = sum(1 for _ in f)
+    meta = {"command": " ".join(["python", "bench/batch_science.py", *sys.argv[1:]]), "epochs": args.epochs,
+            "seeds": [int(s) for s in args.seeds.split(",")],
+            "corpus": {"lines": n_lines, "sha256": digest, "micro_batches_per_rank_per_epoch": batches},
+            "table": table(results), "runs": results}
     with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=2)
+        json.dump(meta, f, indent=2)
     plot(results, os.path.join(args.out, "batch_science.png"))
     print(f"corpus: {corpus} ({batches} micro-batches per rank per epoch), {args.epochs} epochs")
     print("\n".join(table(results)))
