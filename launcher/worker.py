@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from launcher.config import load_config
 from launcher.errors import ConfigError
+from launcher.launch.forward import die_with_parent
 from launcher.train.preempt import Preemption
 from launcher.train.trainer import Trainer, detect_launch, init_distributed
 
@@ -34,6 +35,8 @@ def parse_args(argv=None):
 @record
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # started by torchrun: never outlive it (launcher/launch/forward.py)
+        die_with_parent(signal.SIGKILL, parent=os.getppid())
     # First thing: SLURM's preemption warning may come while the task and model are still being built.
     preemption = Preemption.install(also=(signal.SIGTERM,))
     cfg = load_config(args.config)

@@ -13,7 +13,7 @@ from launcher.cli.check import preflight
 from launcher.config import load_config, write_resolved
 from launcher.errors import ConfigError
 from launcher.launch import env as launch_env
-from launcher.launch import forward, malloc
+from launcher.launch import forward, malloc, rundir
 from launcher.launch.torchrun import LaunchPlan, run_id, torchrun_argv
 
 
@@ -58,6 +58,7 @@ def main(args) -> int:
         raise ConfigError("--rdzv-endpoint", f"{args.rdzv_endpoint!r} is not HOST:PORT", "write e.g. node01:29400")
     if args.node_rank is not None and not 0 <= args.node_rank < dist.nnodes:
         raise ConfigError("--node-rank", f"{args.node_rank} is outside 0..{dist.nnodes - 1}", "number nodes from 0")
+    rundir.check_dirs(cfg)  # a file where run.output_dir or checkpoint.dir should be: exit 2, nothing written
     preflight(cfg)
     if not _plain_optimizer(cfg):
         from launcher.train.optim import (
@@ -65,6 +66,9 @@ def main(args) -> int:
         )
 
         check_config(cfg)
+    # one run per output_dir, held until this command (and torchrun, which inherits it) ends; before the resume
+    # preflight, which may move an earlier run's checkpoints aside
+    rundir.hold(cfg.run.output_dir, dist.nnodes, args.node_rank)
     checkpoint_resume.preflight(cfg, args.resume)  # damaged checkpoint, other config or world size: exit 2 here
     check_devices(cfg)
 

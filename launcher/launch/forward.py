@@ -6,13 +6,21 @@ The workers, not torchrun, get the signal: torchrun answers SIGTERM by tearing i
 period and exits with an error whatever they did; left alone it sees them finish cleanly. The workers are found as
 torchrun's children running the worker module (/proc); where there is no /proc, torchrun gets the signal. A second
 SIGTERM is forwarded too (the workers then end at once). Standard library only.
+
+A SIGKILL of `accum-sched run` itself cannot be forwarded: torchrun is started with the kernel's parent-death
+signal (prctl PR_SET_PDEATHSIG) set to SIGTERM, so it winds its workers down as it would for any SIGTERM, and each
+worker started by torchrun asks for SIGKILL when torchrun dies (launcher/worker.py): no worker outlives the
+command (docs/reliability.md).
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 
+from launcher.launch import rundir
 from launcher.launch.torchrun import WORKER_MODULE
 
 FORWARDED = (signal.SIGTERM,)
@@ -44,9 +52,37 @@ def worker_pids(parent: int) -> list[int]:
     return pids
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _prctl():
+    """libc's prctl (Linux), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None, prctl=None) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent ends (Linux; False elsewhere). ``parent``: the
+    pid it must still have, else the parent ended before the request took effect and ``sig`` comes at once."""
+    prctl = prctl or _prctl()
+    if prctl is None or prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+    return True
+
+
 def call(argv: list[str], env: dict) -> tuple[int, list[int]]:
-    """Run ``argv`` (torchrun) to its end, forwarding SIGTERM to its workers. Returns (status, signals received)."""
-    proc = subprocess.Popen(argv, env=env)
+    """Run ``argv`` (torchrun) to its end, forwarding SIGTERM to its workers; torchrun gets SIGTERM if this process
+    dies (SIGKILL included) and inherits the run directory's lock (launcher/launch/rundir.py). Returns (status,
+    signals received)."""
+    prctl, me = _prctl(), os.getpid()  # looked up before the fork: the child only makes the call
+    proc = subprocess.Popen(argv, env=env, pass_fds=rundir.held(),
+                            preexec_fn=(lambda: die_with_parent(signal.SIGTERM, me, prctl)) if prctl else None)
     received: list[int] = []
 
     def forward(signum, frame):
