@@ -3,7 +3,11 @@
 - ``import accum_sched`` (must not import torch nor DeepSpeed) and ``accum_sched.AccumulationEngine`` (imports
   torch, still not DeepSpeed), next to ``import torch`` / ``lightning`` / ``accelerate`` for scale;
 - ``accum-sched check CONFIG`` (must not import torch), if the subcommand exists;
-- launch -> first optimizer step of ``accum-sched run CONFIG`` vs a plain torchrun script doing one DDP step.
+- launch -> first worker process of ``accum-sched run CONFIG`` (the launcher's pre-launch work plus torchrun's
+  start: what a login node waits for), and launch -> first optimizer step vs a plain torchrun script doing one DDP
+  step.
+
+``python bench/startup.py --first-worker [--runs N] [CONFIG]`` measures the first-worker time alone.
 """
 from __future__ import annotations
 
@@ -107,6 +111,59 @@ def _first_line_time(cmd: list[str], path: str, env: dict, timeout: float) -> fl
     return seen
 
 
+def _first_worker_time(cmd: list[str], marker: str, env: dict, timeout: float) -> tuple[float | None, float | None]:
+    """Start ``cmd``; seconds until torchrun starts and until a process runs ``launcher.worker``, each found by
+    polling /proc for ``marker`` (the run directory) in a command line (torchrun's own names the worker too: it
+    counts as torchrun). The launch (its own session) is then stopped."""
+    start = time.time()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    torchrun = worker = None
+    try:
+        while worker is None and time.time() - start < timeout and proc.poll() is None:
+            for pid in os.listdir("/proc"):
+                if not pid.isdigit():
+                    continue
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        line = f.read().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue
+                if "launcher.worker" not in line or marker not in line:
+                    continue
+                now = time.time() - start
+                if "torch.distributed.run" in line:
+                    torchrun = torchrun if torchrun is not None else now
+                else:
+                    worker = now
+                    break
+            time.sleep(0.005)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # our own launch and its workers
+        proc.wait()
+    return torchrun, worker
+
+
+def _median_row(times: list) -> str:
+    found = sorted(t for t in times if t is not None)
+    if not found:
+        return "not seen"
+    return f"{statistics.median(found):.2f} s (median of {len(found)}: {' '.join(f'{t:.2f}' for t in found)})"
+
+
+def run_to_first_worker(env: dict, config: str, runs: int) -> list[tuple[str, str]]:
+    label = f"accum-sched run {os.path.relpath(config, ROOT)}: launch ->"
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(runs):
+            run_dir = os.path.join(tmp, f"first{i}")
+            cmd = [sys.executable, "-m", "launcher", "run", config, "--set", f"run.output_dir={run_dir}"]
+            times.append(_first_worker_time(cmd, run_dir, env, 120))
+    return [(f"{label} torchrun started (pre-launch work)", _median_row([t for t, _ in times])),
+            (f"{label} first worker process", _median_row([w for _, w in times]))]
+
+
 def run_to_first_step(env: dict, config: str, runs: int) -> list[tuple[str, str]]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,6 +204,7 @@ def measure(runs: int = 3, config: str | None = None) -> list[tuple[str, str]]:
         rows.append(check_command(env, config, runs))
     else:
         rows.append(("accum-sched check", f"skipped: {config} not found"))
+    rows += run_to_first_worker(env, config, runs)
     rows += run_to_first_step(env, config, runs)
     return rows
 
@@ -154,3 +212,16 @@ def measure(runs: int = 3, config: str | None = None) -> list[tuple[str, str]]:
 def render(rows: list[tuple[str, str]]) -> str:
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label.ljust(width)}  {value}" for label, value in rows)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default=os.path.join(ROOT, "configs", "demo.yaml"))
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--first-worker", action="store_true", help="only launch -> first worker process")
+    a = parser.parse_args()
+    environ = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    rows = run_to_first_worker(environ, a.config, a.runs) if a.first_worker else measure(a.runs, a.config)
+    print(render(rows))

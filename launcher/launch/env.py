@@ -271,6 +271,47 @@ def _visible(environ: Mapping[str, str], cuda_count: int) -> str:
     return f"{cuda_count} GPU(s) visible" + (f" (CUDA_VISIBLE_DEVICES={cvd})" if cvd is not None else "")
 
 
+NVIDIA_GPUS = "/proc/driver/nvidia/gpus"  # one entry per GPU the NVIDIA driver manages
+ROCM_DEVICE = "/dev/kfd"  # present where AMD's driver is: torch.cuda then means ROCm, which only torch can count
+
+
+def gpus_without_torch(environ: Mapping[str, str] = os.environ, nvidia_gpus: str = NVIDIA_GPUS,
+                       rocm_device: str = ROCM_DEVICE) -> int | None:
+    """The GPUs torch.cuda would see, read from the driver and CUDA_VISIBLE_DEVICES without importing torch (the
+    login-node path of `accum-sched run`); None when only torch can tell (ROCm, GPUs named by UUID or MIG id).
+
+    0 for certain when CUDA_VISIBLE_DEVICES hides every device ('' or a first entry that is not a device) or when
+    no GPU driver is present. Otherwise the driver's count, cut as CUDA does: the listed indices up to the first
+    one that is not a device. (A CPU-only torch on a GPU machine sees none: a caller that needs that certainty, as
+    auto and nccl do, asks torch when this returns more than 0.)"""
+    try:
+        driver = len(os.listdir(nvidia_gpus))
+    except OSError:
+        driver = 0
+    cvd = environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        entries = [e.strip() for e in cvd.split(",")]
+        if not entries[0] or entries[0].startswith("-"):
+            return 0
+    if driver == 0:
+        return None if os.path.exists(rocm_device) else 0
+    if cvd is None:
+        return driver
+    count, seen = 0, set()
+    for entry in entries:
+        if not entry.isdigit():
+            if entry.startswith(("GPU-", "MIG-")):
+                return None
+            break
+        if int(entry) in seen:
+            return None  # CUDA's handling of a repeated index is its own
+        if int(entry) >= driver:
+            break
+        seen.add(int(entry))
+        count += 1
+    return count
+
+
 def check_devices(process_group: str, nproc_per_node: int, cuda_count: int,
                   environ: Mapping[str, str] = os.environ) -> str | None:
     """Before launch on the node that starts the workers (`accum-sched run`): ConfigError for a setting that cannot
