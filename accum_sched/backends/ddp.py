@@ -9,8 +9,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from accum_sched import collective
+from accum_sched.backends import ddp_hook
 from accum_sched.backends.base import BackendOptions
-from accum_sched.backends.ddp_hook import HookState, engine_hook
+from accum_sched.backends.ddp_hook import HookState, HookTakenOver
 from accum_sched.backends.detect import refuse_fsdp_submodules, refuse_gradient_sync
 from accum_sched.backends.torch_optim import TorchBackend
 from accum_sched.step_rules import NO_CONTEXT
@@ -42,13 +43,17 @@ class DDPBackend(TorchBackend):
         self.world_size = collective.world_size()
         self.hook: HookState | None = None
         self._stats_work = None
+        self._base = (0, 0)  # the hook's (rounds, bytes) when this back end took it (a later engine on the model)
         if options.count_allreduce:
-            state = HookState(model.process_group, model.parameters())
             try:
-                model.register_comm_hook(state, engine_hook)
-                self.hook = state
+                # DDP takes one comm hook per module for good: an engine built on a model that an earlier engine
+                # drove takes that engine's hook over (ddp_hook.install); the earlier engine refuses further use
+                self.hook = ddp_hook.install(model, self)
+                self._base = (self.hook.rounds, self.hook.bytes)
             except RuntimeError as exc:  # the user registered a hook of their own: keep it, count nothing
-                warnings.warn(f"gradient all-reduce rounds are not counted: {exc}", stacklevel=3)
+                warnings.warn(f"gradient all-reduce rounds are not counted and the window's numbers take one small "
+                              f"all-reduce per step of their own: a comm hook that is not the engine's is "
+                              f"registered on this DistributedDataParallel module ({exc})", stacklevel=3)
         # our hook sums (see .ddp_hook); DDP's own reduction, or a user's hook, takes the mean
         self.averages_over_world = self.hook is None
         dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
@@ -63,7 +68,14 @@ class DDPBackend(TorchBackend):
         opt_elements = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
         self._norm_in_hook = self.hook is not None and self.scaler is None and ddp_elements == opt_elements
 
+    def _own_hook(self) -> None:
+        if self.hook is not None and self.hook.owner is not self:
+            raise HookTakenOver("this AccumulationEngine's DDP comm hook was taken over by a later AccumulationEngine "
+                                "built on the same DistributedDataParallel model (DDP takes one hook per model); "
+                                "train with the later engine only")
+
     def send_window_stats(self, stats: torch.Tensor, want_norm: bool) -> None:
+        self._own_hook()
         if self.hook is not None:
             self.hook.want_norm = want_norm and self._norm_in_hook
             self.hook.squared_norms = []
@@ -93,19 +105,21 @@ class DDPBackend(TorchBackend):
         reduced (comm hook thread); False when our comm hook is not installed."""
         if self.hook is None:
             return False
+        self._own_hook()
         self.hook.before_reduce.append(before)
         self.hook.after_reduce.append(after)
         return True
 
     @property
     def allreduce_rounds(self):
-        return None if self.hook is None else self.hook.rounds
+        return None if self.hook is None else self.hook.rounds - self._base[0]
 
     @property
     def allreduce_bytes(self):
-        return None if self.hook is None else self.hook.bytes
+        return None if self.hook is None else self.hook.bytes - self._base[1]
 
     def sync_context(self, boundary: bool):
+        self._own_hook()  # before the micro-batch's forward: a taken-over engine touches no gradient
         return NO_CONTEXT if boundary else self.model.no_sync()
 
 

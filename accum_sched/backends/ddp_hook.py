@@ -36,8 +36,19 @@ BeforeReduce = Callable[[object], None]  # (bucket)
 AfterReduce = Callable[[object, torch.Tensor], None]  # (bucket, its reduced gradient, without the stats' tail)
 
 
+# DDP module -> the HookState of the engine hook registered on it. DDP takes one comm hook per module, for good:
+# a later engine on the same module takes this state over (:func:`take_over`) instead of registering again.
+_registered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class HookTakenOver(RuntimeError):
+    """An engine whose DDP comm hook a later engine on the same model took over was used again."""
+
+
 class HookState:
     """What the engine's comm hook reads and writes; one per DDP module."""
+
+    owner = None  # the back end that drives the hook now (the latest engine built on the module)
 
     def __init__(self, process_group, parameters=()):
         self.order = {p: i for i, p in enumerate(parameters)}  # the order the squared norms are summed in
@@ -113,6 +124,24 @@ class HookState:
             return None
         norms.sort(key=lambda pair: pair[0])  # stable: a parameter outside self.order keeps its bucket's order
         return torch.stack([norm.double() for _, norm in norms]).square().sum()
+
+
+def install(model, owner) -> HookState:
+    """The engine hook on DDP ``model``, driven by ``owner`` (a back end): registered on a first call; a later call
+    for the same model takes the registered state over, as it is, reset for the new owner (the counters run on:
+    the owner counts from where it took over). Raises RuntimeError, as DDP does, where a hook that is not ours is
+    registered."""
+    state = _registered.get(model)
+    if state is None:
+        state = HookState(model.process_group, model.parameters())
+        model.register_comm_hook(state, engine_hook)
+        _registered[model] = state
+    else:
+        state.before_reduce, state.after_reduce = [], []
+        state.want_norm, state.squared_norms = False, []
+        state.pending_stats = state.reduced_stats = None
+    state.owner = owner
+    return state
 
 
 def _first(fut):
