@@ -10,15 +10,28 @@ carries the node's host name, and in a private mount namespace where a hosts fil
 written). The namespaces have no default route: traffic stays between the bridge address and the nodes' own.
 Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2's `ip`, util-linux's `unshare`; `NetnsUnavailable` says why
 when something is missing. Every name carries this process's id, so two test sessions do not meet.
+
+Nothing stays behind (issue 28): `start()` registers `stop()` to run at exit and on SIGTERM, SIGHUP and SIGINT
+(then the signal takes its earlier course), and, since SIGKILL cannot be caught, first removes what killed runs
+left: every namespace, bridge and veth of this project's names (`accum-<pid>-<i>`, `acb<pid>`, `acv<pid>h<i>`)
+whose owner process <pid> is gone, and the processes still inside such a namespace (the dead run's own daemons).
+Names of a live process, another test session's, are left alone.
 """
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
+import threading
 from pathlib import Path
+
+NETNS_NAME = re.compile(r"accum-(\d+)-\d+")  # this project's namespaces; the number is the owner's process id
+LINK_NAME = re.compile(r"ac(?:b(\d+)|v(\d+)h\d+)")  # its bridges and host-side veths
 
 
 class NetnsUnavailable(RuntimeError):
@@ -50,13 +63,90 @@ def _free_subnet() -> ipaddress.IPv4Network:
     raise NetnsUnavailable("no free 10.x.y.0/24 subnet for the test bridge")
 
 
+def _alive(pid: int) -> bool:
+    return pid == os.getpid() or os.path.exists(f"/proc/{pid}")
+
+
+def _kill_inside(ns: str) -> None:
+    """SIGKILL the processes inside namespace ``ns`` (one of this project's)."""
+    for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ValueError, ProcessLookupError):
+            pass
+
+
+def remove_stale() -> list[str]:
+    """Remove the namespaces, bridges and veths of this project whose owner process is gone (a run killed with
+    SIGKILL), killing the processes left inside those namespaces first. Returns what was removed."""
+    removed = []
+    listed = _ip("netns", "list", check=False).stdout.split("\n")
+    for ns in [line.split()[0] for line in listed if line.strip()]:
+        m = NETNS_NAME.fullmatch(ns)
+        if not m or _alive(int(m.group(1))):
+            continue
+        _kill_inside(ns)  # the dead run's daemons
+        _ip("netns", "del", ns, check=False)
+        removed.append(ns)
+    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+        parts = line.split(":")
+        if len(parts) < 2:
+            continue
+        link = parts[1].strip().split("@")[0]
+        m = LINK_NAME.fullmatch(link)
+        if m and not _alive(int(m.group(1) or m.group(2))):
+            _ip("link", "del", link, check=False)
+            removed.append(link)
+    return removed
+
+
+_cleanups: list = []  # stop() of every started NetnsNodes (and what else registered), newest last
+_handled: dict = {}  # signal -> the handler it had before
+
+
+def _run_cleanups() -> None:
+    while _cleanups:
+        fn = _cleanups.pop()
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 -- the next one must still run
+            pass
+
+
+def _on_signal(signum, frame):
+    _run_cleanups()
+    before = _handled.get(signum, signal.SIG_DFL)
+    if callable(before):
+        before(signum, frame)
+        return
+    if before != signal.SIG_IGN:
+        signal.signal(signum, signal.SIG_DFL)  # the signal's own course: usually the end of the process
+        os.kill(os.getpid(), signum)
+
+
+def on_exit(fn) -> None:
+    """Run ``fn`` at exit and on SIGTERM / SIGHUP / SIGINT (before the handler the signal had), once."""
+    _cleanups.append(fn)
+    if not _handled and threading.current_thread() is threading.main_thread():
+        atexit.register(_run_cleanups)
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            _handled[signum] = signal.getsignal(signum)
+            signal.signal(signum, _on_signal)
+
+
+def forget(fn) -> None:
+    """``fn`` ran already (a normal stop): drop it from the exit and signal cleanups."""
+    if fn in _cleanups:
+        _cleanups.remove(fn)
+
+
 class NetnsNodes:
     """`nodes` namespaces on one bridge. `start()` builds them, `stop()` removes every one of them."""
 
     def __init__(self, root: str | Path, names: list[str]):
         self.root = Path(root)
         self.names = list(names)
-        tag = str(os.getpid() % 100000)
+        tag = str(os.getpid())  # the owner: remove_stale() tells a killed run's names by it (pid_max fits IFNAMSIZ)
         self.bridge = f"acb{tag}"
         self.netns = {name: f"accum-{tag}-{i}" for i, name in enumerate(self.names)}
         self.host_veth = {name: f"acv{tag}h{i}" for i, name in enumerate(self.names)}
@@ -73,6 +163,8 @@ class NetnsNodes:
                 raise NetnsUnavailable(f"`{tool}` is not installed (iproute2 / util-linux)")
         if os.geteuid() != 0:
             raise NetnsUnavailable("network namespaces need root")
+        remove_stale()  # what killed runs left
+        on_exit(self.stop)
         self.subnet = _free_subnet()
         hosts = list(self.subnet.hosts())
         self.bridge_addr = str(hosts[0])
@@ -107,9 +199,12 @@ class NetnsNodes:
                 "private", "sh", "-c", script, "sh", node, str(self.hosts_file), *argv]
 
     def stop(self) -> None:
-        """Remove what start() made, newest first (the processes inside must be gone already)."""
+        """Remove what start() made, newest first. Processes still inside a namespace (stopped on a signal before
+        their owner could end them) are killed: only this run's own processes live there."""
+        forget(self.stop)
         for kind, name in reversed(self._made):
             if kind == "netns":
+                _kill_inside(name)
                 _ip("netns", "del", name, check=False)
             else:
                 _ip("link", "del", name, check=False)

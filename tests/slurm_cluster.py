@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from netns_nodes import NetnsNodes, NetnsUnavailable
+from netns_nodes import NetnsNodes, NetnsUnavailable, forget, on_exit
 
 # iproute2: `ip` builds the nodes' namespaces (a slim container may lack it; util-linux's nsenter/unshare are
 # essential packages).
@@ -221,6 +221,7 @@ class SlurmCluster:
             self.net.start()
         except NetnsUnavailable as why:
             raise SlurmUnavailable(f"cannot build the two nodes' network namespaces: {why}") from None
+        on_exit(self.stop)  # at exit or SIGTERM/SIGHUP/SIGINT: the daemons first, then the namespaces (issue 28)
         self.addr = dict(self.net.addr)
         self._write_files()
         self._spawn("munged", [_which("munged"), "--foreground", "--force",
@@ -288,6 +289,7 @@ class SlurmCluster:
 
     # -- teardown ------------------------------------------------------------------------------------------------
     def stop(self) -> None:
+        forget(self.stop)
         if any(name == "slurmctld" and p.poll() is None for name, p in self._procs):
             # Jobs first, so slurmd's step daemons end the job processes before slurmd itself goes.
             self.run("scancel", "--full", "-u", "root", check=False, timeout=10)
