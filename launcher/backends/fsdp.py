@@ -11,6 +11,11 @@
 * ``param_dtype`` / ``reduce_dtype``: FSDP2's MixedPrecisionPolicy (compute / gradient reduce-scatter dtype); the
   sharded parameters, the optimizer and the checkpoints stay fp32.
 * ``cpu_offload``: FSDP2's CPUOffloadPolicy (sharded parameters, gradients and optimizer step on the CPU).
+* ``mesh``: null, one shard group of every rank (a 1-D mesh); ``[replicas, shards]``, HSDP on a 2-D mesh
+  (``replicate`` x ``shard``; the product must be the world size, checked before launch). ``[1, world]`` is the
+  1-D mesh.
+* ``gradient_sync`` and ``keep_gathered`` go to the engine (accum_sched/backends/fsdp.py says what each does);
+  ``reduce_scatter`` on a 1-D mesh has no all-reduce to defer and runs as ``every_micro_batch``.
 
 ``run.compile`` compiles per block, as torchtitan does: the forward of every module that is sharded before the
 root is compiled in place (launcher/train/compile.py) before fully_shard; the root's own layers around them
@@ -89,7 +94,11 @@ def shard(cfg, model, device):
 
     options = cfg.distributed.fsdp
     ensure_process_group()
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    replicas, shards = options["mesh"] or (1, dist.get_world_size())
+    if replicas == 1:
+        mesh = init_device_mesh(device.type, (shards,))
+    else:  # FSDP2 shards on the last dimension and replicates on the first
+        mesh = init_device_mesh(device.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
     policy = MixedPrecisionPolicy(param_dtype=_dtype(options["param_dtype"]),
                                   reduce_dtype=_dtype(options["reduce_dtype"]))
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if options["cpu_offload"] else OffloadPolicy()
@@ -156,6 +165,10 @@ class FSDPBackend(LauncherBackend):
             raise ConfigError("run.precision", "fp16 is not supported with backend: fsdp (GradScaler would find "
                               "overflows per shard, so ranks could disagree)",
                               "use bf16, or distributed.fsdp.param_dtype")
+        mesh, world = cfg.distributed.fsdp["mesh"], cfg.distributed.nnodes * cfg.distributed.nproc_per_node
+        if mesh is not None and mesh[0] * mesh[1] != world:
+            raise ConfigError("distributed.fsdp.mesh", f"{mesh[0]} x {mesh[1]} ranks but the world has {world} "
+                              f"(nnodes x nproc_per_node)", "make replicas x shards equal the world size, or null")
 
     def validate_unused(self, cfg) -> None:
         fsdp = cfg.distributed.fsdp
@@ -169,7 +182,8 @@ class FSDPBackend(LauncherBackend):
         optimizer, lr_scheduler = make_optimizer(root)
         return Setup(module=root, model=root, optimizer=optimizer, lr_scheduler=lr_scheduler,  # the engine picks
                      engine_args={"optimizer": optimizer, "lr_scheduler": lr_scheduler,  # its FSDP2 back end
-                                  "gradient_sync": cfg.distributed.fsdp["gradient_sync"]})
+                                  "gradient_sync": cfg.distributed.fsdp["gradient_sync"],
+                                  "keep_gathered": cfg.distributed.fsdp["keep_gathered"]})
 
     def final_state_dict(self, setup: Setup, rank: int) -> dict | None:
         return consolidated_state_dict(setup.model)

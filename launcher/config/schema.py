@@ -152,7 +152,7 @@ def _coerce(path: str, field: Field, value):
             raise ConfigError(path, f"expected a mapping, got {value!r}", "write key: value pairs, e.g. {a: 1}")
     elif kind == "list":
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(path, f"expected a list, got {value!r}", "write e.g. [0.9, 0.999]")
+            raise ConfigError(path, f"expected a list, got {value!r}", field.hint or "write e.g. [0.9, 0.999]")
         value = list(value)
     if field.choices is not None and value not in field.choices:
         raise ConfigError(path, f"{value!r} is not one of {', '.join(map(str, field.choices))}",

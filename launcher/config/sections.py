@@ -99,6 +99,13 @@ def wrap_value(v):
     return f"expected 'auto' or a non-empty list of module class names, got {v!r}"
 
 
+def mesh_value(v):
+    # the product's match with the world size is checked with the world (launcher/backends/fsdp.py: validate)
+    if len(v) == 2 and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in v):
+        return None
+    return f"expected null or two positive integers [replicas, shards], got {v!r}"
+
+
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "onecycle")
 DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
@@ -230,13 +237,21 @@ class EvalConfig(Section):
 
 
 # distributed.fsdp (backend: fsdp; launcher/backends/fsdp.py applies them). Mixed precision changes the numbers;
-# sync mode, wrapping and offload do not (an OOM may be answered by resuming with every_micro_batch).
+# sync mode, mesh, keeping parameters gathered, wrapping and offload do not (an OOM may be answered by resuming with
+# every_micro_batch; DCP reshards a checkpoint onto another mesh as onto another world size).
 @dataclass(frozen=True, eq=False)
 class FSDPConfig(Section):
     SECTION: ClassVar[str] = "distributed.fsdp"
-    gradient_sync: str = key("boundary", train=False, choices=("boundary", "every_micro_batch"),
-                             doc="`boundary`: one reduce-scatter per optimizer step; `every_micro_batch`: one per "
-                                 "micro-batch; see [FSDP2](fsdp.md)")
+    gradient_sync: str = key("boundary", train=False, choices=("boundary", "every_micro_batch", "reduce_scatter"),
+                             doc="`boundary`: gradient collectives only at the window's end; `every_micro_batch`: "
+                                 "every micro-batch; `reduce_scatter`: reduce-scatter every micro-batch, all-reduce "
+                                 "across replicas at the end (HSDP); see [FSDP2](fsdp.md)")
+    mesh: list[int] | None = key(None, train=False, check=mesh_value, hint="write e.g. [2, 4], or null",
+                                 doc="`[replicas, shards]` (HSDP: sharded inside each group of `shards` ranks, "
+                                     "replicated across `replicas` groups; the product is the world size); null: "
+                                     "one shard group of all ranks")
+    keep_gathered: bool = key(False, train=False, doc="parameters stay gathered across a window's micro-batches "
+                                                      "and are resharded at its end")
     # module class names to fully_shard one by one before the root, or auto: the model's _no_split_modules
     wrap: str | list[str] = key("auto", train=False, check=wrap_value, hint="write auto or e.g. [GPT2Block]",
                                 doc="class names of the modules sharded one by one, or `auto`: the model's "
