@@ -14,7 +14,7 @@ from launcher.config import load_config, write_resolved
 from launcher.errors import ConfigError
 from launcher.launch import env as launch_env
 from launcher.launch import forward, malloc, rundir
-from launcher.launch.torchrun import LaunchPlan, run_id, torchrun_argv
+from launcher.launch.torchrun import LaunchPlan, check_endpoint, run_id, torchrun_argv
 
 
 def add_parser(sub) -> None:
@@ -33,14 +33,11 @@ def add_parser(sub) -> None:
 
 def check_devices(cfg) -> None:
     """GPU settings this node cannot honour stop here with exit 2 (launcher/launch/env.py: check_devices); gloo on a GPU
-    machine only warns. The driver and CUDA_VISIBLE_DEVICES answer without torch where they can (no GPU here, or
-    gloo, which only warns); torch's own view is imported (about 3 s) only for auto or nccl on a machine with GPUs,
-    or where only torch can count them (ROCm, GPUs named by UUID)."""
-    count = launch_env.gpus_without_torch(os.environ)
-    if count is None or (count > 0 and cfg.distributed.process_group != "gloo"):
-        import torch
+    machine only warns. Needs torch's view of the GPUs (CUDA_VISIBLE_DEVICES included): imported here, lazily, so
+    `check` and `slurm` stay torch-free."""
+    import torch
 
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     warning = launch_env.check_devices(cfg.distributed.process_group, cfg.distributed.nproc_per_node, count)
     if warning:
         print(warning, file=sys.stderr, flush=True)
@@ -59,6 +56,8 @@ def main(args) -> int:
                           "give HOST:PORT of the first node, the same on every node")
     if args.rdzv_endpoint and ":" not in args.rdzv_endpoint:
         raise ConfigError("--rdzv-endpoint", f"{args.rdzv_endpoint!r} is not HOST:PORT", "write e.g. node01:29400")
+    if args.rdzv_endpoint:
+        check_endpoint(args.rdzv_endpoint, dist.nnodes, args.node_rank)  # a port taken here: torchrun would wait
     if args.node_rank is not None and not 0 <= args.node_rank < dist.nnodes:
         raise ConfigError("--node-rank", f"{args.node_rank} is outside 0..{dist.nnodes - 1}", "number nodes from 0")
     rundir.check_dirs(cfg)  # a file where run.output_dir or checkpoint.dir should be: exit 2, nothing written

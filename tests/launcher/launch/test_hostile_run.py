@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import pytest
 
 import paths
 from launcher import cli
-from launcher.launch import forward, rundir
+from launcher.launch import forward, rundir, torchrun
 
 ROOT = paths.ROOT
 CONFIG = """\
@@ -164,3 +165,25 @@ def test_a_worker_dies_with_its_torchrun(tmp_path):
     if alive:
         os.kill(child, signal.SIGKILL)
     assert not alive, "the child outlived its parent"
+
+
+def test_a_rendezvous_port_in_use_here_is_one_line_exit_2(tmp_path, capsys):
+    """torchrun would connect to whatever listens there and wait silently until its timeout (tried: 100 s, no
+    output); the run stops before launch naming the holder and a free port instead."""
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = write(tmp_path, str(tmp_path / "out"))
+        assert cli.main(["run", cfg, "--rdzv-endpoint", f"127.0.0.1:{port}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        assert err[0].startswith(f"error: --rdzv-endpoint: port {port} on 127.0.0.1 is in use by "), err
+        assert f"pid {os.getpid()}: " in err[0] and "pick a free port, e.g. 127.0.0.1:" in err[0], err
+        assert not (tmp_path / "out").exists()
+        torchrun.check_endpoint(f"127.0.0.1:{port}", nnodes=2, node_rank=1)  # node 1 connects there: not checked
+        torchrun.check_endpoint(f"10.255.255.1:{port}")  # not an address of this host: another node serves it
+    torchrun.check_endpoint(f"127.0.0.1:{port}")  # free again
+    with pytest.raises(torchrun.ConfigError, match="outside 1..65535"):
+        torchrun.check_endpoint("127.0.0.1:70000")
