@@ -33,11 +33,14 @@ def add_parser(sub) -> None:
 
 def check_devices(cfg) -> None:
     """GPU settings this node cannot honour stop here with exit 2 (launcher/launch/env.py: check_devices); gloo on a GPU
-    machine only warns. Needs torch's view of the GPUs (CUDA_VISIBLE_DEVICES included): imported here, lazily, so
-    `check` and `slurm` stay torch-free."""
-    import torch
+    machine only warns. The driver and CUDA_VISIBLE_DEVICES answer without torch where they can (no GPU here, or
+    gloo, which only warns); torch's own view is imported (about 3 s) only for auto or nccl on a machine with GPUs,
+    or where only torch can count them (ROCm, GPUs named by UUID)."""
+    count = launch_env.gpus_without_torch(os.environ)
+    if count is None or (count > 0 and cfg.distributed.process_group != "gloo"):
+        import torch
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     warning = launch_env.check_devices(cfg.distributed.process_group, cfg.distributed.nproc_per_node, count)
     if warning:
         print(warning, file=sys.stderr, flush=True)
