@@ -186,7 +186,8 @@ class Checkpointer:
 
     def _load(self, path: str) -> dict:
         # Only what we wrote ourselves is loaded here, with weights_only (tensors and plain values); DeepSpeed's
-        # own shards are loaded by DeepSpeed's load_checkpoint (parts.load_shards), under its own rules.
+        # own shards are loaded by DeepSpeed's load_checkpoint (parts.load_shards), without weights_only: their
+        # pickles are checked against an allow-list first (launcher/checkpoint/pickle_scan.py).
         try:
             # mmap: tensors stay file-backed pages (shared through the page cache by the ranks of a node) until
             # load_state_dict copies them into place, instead of one private copy of the whole file per rank
@@ -269,7 +270,7 @@ class Checkpointer:
             return hashed
 
         hashed = {}
-        for entries in self._together(f"writing {tmp}", write):
+        for entries in self._failing_save(tmp, lambda: self._together(f"writing {tmp}", write)):
             hashed.update(entries or {})
 
         def commit():
@@ -278,9 +279,24 @@ class Checkpointer:
                 store.commit(tmp, final, manifest, hashed)
                 store.rotate(self.root, self.cfg.checkpoint.keep_last)
 
-        self._together(f"committing {final}", commit)
+        self._failing_save(tmp, lambda: self._together(f"committing {final}", commit))
         self._last_saved = final
         return final
+
+    def _failing_save(self, tmp: str, phase):
+        """Run a save phase; when it fails on any rank (a full disk, an I/O error), drop the torn ``tmp`` (its space
+        back) and say that the last good checkpoint is kept and how to go on (docs/reliability.md)."""
+        try:
+            return phase()
+        except CheckpointError as exc:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            done = store.list_checkpoints(self.root)
+            kept = f"the last good checkpoint, {done[-1][1]}, is kept" if done else "no checkpoint was committed yet"
+            full = "No space left" in str(exc) or "Disk quota" in str(exc)
+            fix = (f"free space on {self.root} (or set checkpoint.dir elsewhere)" if full else "fix the cause")
+            raise CheckpointError(f"{exc}; {kept}: {fix}, then continue with `accum-sched run CONFIG --resume`") \
+                from None
 
     def _manifest(self, step: int, engine_state: dict, reason: str, partial_window: bool, stream: bool) -> Manifest:
         if self.parts["stream"] is not None:

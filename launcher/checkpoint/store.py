@@ -91,12 +91,17 @@ class HashingFile:
         self._hash = hashlib.sha256()
         self._bytes = 0
         self.entry: dict | None = None
+        self.failure: OSError | None = None  # a failed write (ENOSPC), which torch.save reports only vaguely
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         self._hash.update(view)
         self._bytes += len(view)
-        return self._file.write(view)
+        try:
+            return self._file.write(view)
+        except OSError as exc:
+            self.failure = exc
+            raise
 
     def flush(self) -> None:
         self._file.flush()
@@ -111,7 +116,14 @@ class HashingFile:
                 os.fsync(self._file.fileno())
                 self.entry = {"bytes": self._bytes, "sha256": self._hash.hexdigest()}
         finally:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:
+                if kind is None:
+                    raise
+        if kind is not None and self.failure is not None and value is not self.failure:
+            # torch.save turns a failed write into "[enforce fail at inline_container.cc] unexpected pos": name it
+            raise OSError(self.failure.errno, f"{self.failure.strerror} (writing {self._file.name})") from value
 
 
 def commit(tmp: str, final: str, manifest: Manifest | dict, hashed: dict | None = None) -> None:
