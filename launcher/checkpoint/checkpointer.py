@@ -25,6 +25,7 @@ Collective: every method that saves or restores must be called on every rank at 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import time
@@ -193,7 +194,12 @@ class Checkpointer:
             # load_state_dict copies them into place, instead of one private copy of the whole file per rank
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # checksums passed, so this is a format problem: name the file
-            raise CheckpointError(f"{path}: cannot be loaded ({type(exc).__name__}: {exc})") from exc
+            # weights_only's refusal runs to a page of advice (to load without it, the one thing not to do here)
+            imported = re.search(r"GLOBAL ([\w.]+)", str(exc))
+            what = (f"it would import {imported.group(1)}, refused by weights_only" if imported else
+                    f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
+            raise CheckpointError(f"{path}: cannot be loaded ({what}); nothing of it was run: resume from an earlier "
+                                  "checkpoint (--resume PATH), or start afresh without --resume") from exc
 
     def _load_model(self, state: dict, path: str) -> None:
         load_shards(self.parts, path)

@@ -82,6 +82,9 @@ def save_shards(parts: dict, tmp: str) -> None:
 def load_shards(parts: dict, path: str) -> None:
     """Collective: every rank loads its shards of checkpoint ``path`` (no-op when trainer.pt holds the model)."""
     if not _model_in_trainer_pt(parts):
+        from launcher.checkpoint import dcp_metadata
+
+        dcp_metadata.check_tree(path)  # DCP unpickles its .metadata without weights_only: checked first
         parts["backend"].load_shards(parts["setup"], path)
 
 

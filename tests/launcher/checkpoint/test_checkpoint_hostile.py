@@ -150,3 +150,102 @@ def test_a_full_disk_keeps_the_last_good_checkpoint_with_one_clear_line(tmp_path
         assert "then continue with `accum-sched run CONFIG --resume`" in line
     assert sorted(os.listdir(ckpt)) == ["step-00000002"]  # the torn step-4.tmp is gone, its space back
     assert store.verify(good)[1] is None
+
+
+class Payload:
+    """Unpickled, it creates the directory ``marker``: proof that a pickle ran code."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.makedirs, (self.marker,)
+
+
+@pytest.mark.parametrize("name", [store.STATE, "window-rank0.pt", "stream-rank1.pt"])
+def test_a_malicious_pickle_in_our_state_files_is_never_run(tmp_path, name):
+    from launcher.checkpoint.checkpointer import Checkpointer, CheckpointError
+
+    marker = str(tmp_path / "ran")
+    path = str(tmp_path / name)
+    torch.save({"format": store.FORMAT, "window": Payload(marker)}, path)
+    with pytest.raises(CheckpointError) as info:
+        Checkpointer._load(None, path)  # as resume loads trainer.pt, window-rank<R>.pt and stream-rank<R>.pt
+    assert not os.path.exists(marker)
+    assert str(info.value) == (f"{path}: cannot be loaded (it would import os.makedirs, refused by weights_only); "
+                               "nothing of it was run: resume from an earlier checkpoint (--resume PATH), or start "
+                               "afresh without --resume")
+    with open(path, "r+b") as f:  # truncated: one line too
+        f.truncate(100)
+    with pytest.raises(CheckpointError, match=r"cannot be loaded \(RuntimeError: .*; nothing of it was run"):
+        Checkpointer._load(None, path)
+
+
+def test_dcp_metadata_is_checked_before_torch_unpickles_it(tmp_path):
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from launcher.checkpoint import dcp_metadata
+
+    good = str(tmp_path / "good")
+    dcp.save({"model": {"w": torch.ones(3, 2)}, "step": 3}, checkpoint_id=good)  # one process, no group
+    dcp_metadata.check_tree(good)
+    marker = str(tmp_path / "ran")
+    with open(os.path.join(good, ".metadata"), "wb") as f:
+        pickle.dump(Payload(marker), f)
+    with pytest.raises(dcp_metadata.UnsafeMetadata, match=r"\.metadata: would import os\.makedirs when unpickled"):
+        dcp_metadata.check_tree(str(tmp_path))
+    assert not os.path.exists(marker)
+    with open(os.path.join(good, ".metadata"), "wb") as f:
+        f.write(b"\x80\x04\x95")
+    with pytest.raises(dcp_metadata.UnsafeMetadata, match="not readable DCP metadata"):
+        dcp_metadata.check_tree(good)
+
+
+FSDP = """\
+run: {{output_dir: {out}, seed: 0, epochs: 1}}
+task: {{target: builtin:regression, args: {{samples: 128}}}}
+data: {{micro_batch_size: 16}}
+accumulation: {{schedule: {{0: 1}}}}
+optimizer: {{name: adamw, lr: 0.01}}
+distributed: {{backend: fsdp, nproc_per_node: 2, fsdp: {{wrap: [Linear]}}}}
+checkpoint: {{every_n_steps: 2, keep_last: 2}}
+logging: {{progress: plain}}
+"""
+
+
+def test_a_planted_dcp_metadata_with_a_rewritten_manifest_is_refused_on_resume(tmp_path):
+    """The checksums cannot stop one who rewrites manifest.json too: DCP's plain pickle.load must never see it."""
+    import hashlib
+    import json
+    import pickle
+
+    cfg = tmp_path / "fsdp.yaml"
+    cfg.write_text(FSDP.format(out=tmp_path / "run"))
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+    def accum(*args):
+        return subprocess.run([sys.executable, "-m", "launcher", "run", str(cfg), *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    first = accum()
+    assert first.returncode == 0, first.stderr[-4000:]
+    ckpt = store.list_checkpoints(str(tmp_path / "run" / "checkpoints"))[-1][1]
+    manifest_path = os.path.join(ckpt, store.MANIFEST)
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    [rel] = [r for r in manifest["files"] if os.path.basename(r) == ".metadata"]
+    marker = str(tmp_path / "ran")
+    data = pickle.dumps(Payload(marker))
+    with open(os.path.join(ckpt, rel), "wb") as f:
+        f.write(data)
+    manifest["files"][rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+    resumed = accum("--resume", ckpt)  # bounded by the timeout: every rank stops, none waits
+    assert resumed.returncode != 0
+    assert not os.path.exists(marker)  # on no rank
+    line = (f"{os.path.join(ckpt, rel)}: would import os.makedirs when unpickled, which DCP metadata never does: "
+            "refused, nothing of it was run; resume from an earlier checkpoint (--resume PATH), or start afresh")
+    assert line in resumed.stderr, resumed.stderr[-4000:]
