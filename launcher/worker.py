@@ -17,6 +17,7 @@ import warnings
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from launcher.checkpoint.pickle_scan import UnsafePickle
 from launcher.config import load_config
 from launcher.errors import ConfigError
 from launcher.launch.forward import die_with_parent
@@ -47,6 +48,10 @@ def main(argv=None) -> int:
         trainer.fit()
     except ConfigError as err:  # bad input found once the task and its classes are imported: one line, exit 2
         print(f"error: {err.line()}", file=sys.stderr, flush=True)
+        return 2
+    except UnsafePickle as err:  # a checkpoint file that would import code (launcher/checkpoint/pickle_scan.py)
+        sys.stderr.write(f"error: {err}\n")  # one write: every rank says it, and the lines must not interleave
+        sys.stderr.flush()
         return 2
     del trainer  # first: tear_down collects it
     tear_down()

@@ -433,8 +433,12 @@ class DeepSpeedBackend(LauncherBackend):
         setup.module.save_checkpoint(directory, tag=TAG, save_latest=False)
 
     def load_shards(self, setup: Setup, directory: str) -> None:
+        from launcher.checkpoint import pickle_scan
         from launcher.errors import CheckpointError
 
+        # DeepSpeed reads its files with torch.load(weights_only=False): their pickles are checked first, unpickled
+        # by nobody (every rank the same files, so every rank stops alike: UnsafePickle, one line naming the file)
+        pickle_scan.check_tree(os.path.join(directory, TAG))
         # the engine restores module, (ZeRO-sharded) optimizer and LR scheduler from its files, under its own rules
         loaded, _ = setup.module.load_checkpoint(directory, tag=TAG, load_optimizer_states=True,
                                                  load_lr_scheduler_states=True)
