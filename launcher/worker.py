@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from launcher.checkpoint.pickle_scan import UnsafePickle
 from launcher.config import load_config
 from launcher.errors import ConfigError
+from launcher.launch import failures
 from launcher.launch.forward import die_with_parent
 from launcher.train.preempt import Preemption
 from launcher.train.trainer import Trainer, detect_launch, init_distributed
@@ -53,6 +54,9 @@ def main(argv=None) -> int:
         sys.stderr.write(f"error: {err}\n")  # one write: every rank says it, and the lines must not interleave
         sys.stderr.flush()
         return 2
+    except Exception as err:  # every rank stops; `accum-sched run` names the one that failed first
+        failures.note(cfg.run.output_dir, int(os.environ.get("RANK", "0")), err)
+        raise
     del trainer  # first: tear_down collects it
     tear_down()
     return 0

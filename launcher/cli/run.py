@@ -13,7 +13,7 @@ from launcher.cli.check import preflight
 from launcher.config import load_config, write_resolved
 from launcher.errors import ConfigError
 from launcher.launch import env as launch_env
-from launcher.launch import forward, malloc, rundir
+from launcher.launch import failures, forward, malloc, rundir
 from launcher.launch.torchrun import LaunchPlan, check_endpoint, run_id, torchrun_argv
 
 
@@ -93,6 +93,11 @@ def main(args) -> int:
     env.setdefault("PYTHONUNBUFFERED", "1")
     began = time.time()
     status, signals = forward.call(torchrun_argv(plan, worker_args), env)
+    failed = failures.first(run_dir, began) if status != 0 and not signals else None
+    if failed:  # the cause among every rank's tracebacks above
+        print(f"error: rank {failed['rank']} failed first: {failed['error']}; every rank stopped (tracebacks "
+              f"above): fix the cause, then `accum-sched run {args.config} --resume` continues from the last "
+              "checkpoint", file=sys.stderr)
     if signals and status == 0 and not _completed_since(run_dir, began):
         print(f"accum-sched: stopped by signal {signals[0]}: checkpoint committed; continue with "
               f"`accum-sched run {args.config} --resume` (exit {forward.PREEMPTED_STATUS})", file=sys.stderr)

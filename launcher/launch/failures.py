@@ -1,0 +1,48 @@
+"""Which rank failed first. When one rank raises (an exception in the task, a non-finite loss under
+``nonfinite='raise'``), the others stop too, with errors of their own (a peer that closed its connection), and
+torchrun's summary lists ranks in its own order: the cause is one traceback among several. Each worker that raises
+notes ``<output_dir>/.failures/rank-<R>.json`` (time, rank, the exception's first line); `accum-sched run` then ends
+with one line naming the rank that failed first and its error (docs/reliability.md). Standard library only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+FOLDER = ".failures"
+
+
+def note(run_dir: str, rank: int, exc: BaseException) -> None:
+    """Record that this rank raises ``exc`` now (best effort: never masks the exception itself)."""
+    try:
+        folder = os.path.join(run_dir, FOLDER)
+        os.makedirs(folder, exist_ok=True)
+        first = (str(exc).strip().splitlines() or [""])[0][:500]
+        record = {"time": time.time(), "rank": rank, "error": f"{type(exc).__name__}: {first}".rstrip(": ")}
+        tmp = os.path.join(folder, f"rank-{rank}.json.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+        os.replace(tmp, os.path.join(folder, f"rank-{rank}.json"))
+    except Exception:  # noqa: BLE001 -- a note about a failure must not fail
+        pass
+
+
+def first(run_dir: str, since: float) -> dict | None:
+    """The earliest record written at or after ``since`` (a launch's start), or None."""
+    folder = os.path.join(run_dir, FOLDER)
+    records = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    for name in names:
+        if name.startswith("rank-") and name.endswith(".json"):
+            try:
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    record = json.load(f)
+                if isinstance(record, dict) and float(record.get("time", 0)) >= since:
+                    records.append(record)
+            except (OSError, ValueError, TypeError):
+                continue
+    return min(records, key=lambda r: float(r["time"])) if records else None
