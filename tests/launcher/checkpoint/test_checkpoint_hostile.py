@@ -249,3 +249,42 @@ def test_a_planted_dcp_metadata_with_a_rewritten_manifest_is_refused_on_resume(t
     line = (f"{os.path.join(ckpt, rel)}: would import os.makedirs when unpickled, which DCP metadata never does: "
             "refused, nothing of it was run; resume from an earlier checkpoint (--resume PATH), or start afresh")
     assert line in resumed.stderr, resumed.stderr[-4000:]
+
+
+EDITS = [
+    ("not-json", lambda m: "garbage", "unreadable (Expecting value"),
+    ("a-list", lambda m: [], "not a format-1 accum-sched manifest"),
+    ("step-a-word", lambda m: {**m, "step": "many"}, "a field has a value of the wrong kind"),
+    ("bytes-a-word", lambda m: {**m, "files": {store.STATE: {**m["files"][store.STATE], "bytes": "x"}}},
+     "the manifest says x (truncated or torn)"),
+    ("newer-version", lambda m: {**m, "version": 99}, "version 99"),
+]
+
+
+@pytest.mark.parametrize("name,edit,problem", EDITS, ids=[e[0] for e in EDITS])
+def test_an_edited_manifest_is_named_and_skipped(tmp_path, name, edit, problem):
+    import json
+
+    from launcher.errors import ConfigError
+
+    root = str(tmp_path)
+    paths_ = []
+    for step in (2, 4):
+        tmp = store.step_dir(root, step) + ".tmp"
+        os.makedirs(tmp)
+        with store.HashingFile(os.path.join(tmp, store.STATE)) as f:
+            torch.save({"step": step}, f)
+        store.commit(tmp, store.step_dir(root, step), {"format": store.FORMAT, "step": step, "world_size": 1,
+                                                       "config_hash": "x", "config": {}}, {store.STATE: f.entry})
+        paths_.append(store.step_dir(root, step))
+    mpath = os.path.join(paths_[-1], store.MANIFEST)
+    with open(mpath) as f:
+        edited = edit(json.load(f))
+    with open(mpath, "w") as f:
+        f.write(edited if isinstance(edited, str) else json.dumps(edited))
+    skipped = []
+    assert store.find(root, "auto", skipped.append)[0] == paths_[0]  # auto falls back to the one before
+    assert len(skipped) == 1 and problem in skipped[0], skipped
+    with pytest.raises(ConfigError, match="pick another checkpoint, or --resume auto") as info:
+        store.find(root, paths_[-1])  # named explicitly: refused in one line, exit 2 before launch
+    assert problem in str(info.value) and "\n" not in str(info.value)
