@@ -71,11 +71,11 @@ def main(args) -> int:
         )
 
         check_config(cfg)
+    check_devices(cfg)  # before anything is written: a setting this node cannot honour leaves no run directory
     # one run per output_dir, held until this command (and torchrun, which inherits it) ends; before the resume
     # preflight, which may move an earlier run's checkpoints aside
     rundir.hold(cfg.run.output_dir, dist.nnodes, args.node_rank)
     checkpoint_resume.preflight(cfg, args.resume)  # damaged checkpoint, other config or world size: exit 2 here
-    check_devices(cfg)
 
     run_dir = cfg.run.output_dir
     os.makedirs(run_dir, exist_ok=True)
