@@ -48,7 +48,12 @@ class HookTakenOver(RuntimeError):
 class HookState:
     """What the engine's comm hook reads and writes; one per DDP module."""
 
-    owner = None  # the back end that drives the hook now (the latest engine built on the module)
+    _owner = None  # weak reference to the back end that drives the hook now (the latest engine on the module): a
+    # strong one would tie the model to its own hook through DDP's C++ reducer, a cycle Python's GC cannot see
+
+    @property
+    def owner(self):
+        return None if self._owner is None else self._owner()
 
     def __init__(self, process_group, parameters=()):
         self.order = {p: i for i, p in enumerate(parameters)}  # the order the squared norms are summed in
@@ -140,7 +145,7 @@ def install(model, owner) -> HookState:
         state.before_reduce, state.after_reduce = [], []
         state.want_norm, state.squared_norms = False, []
         state.pending_stats = state.reduced_stats = None
-    state.owner = owner
+    state._owner = weakref.ref(owner)
     return state
 
 
