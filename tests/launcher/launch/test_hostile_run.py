@@ -142,7 +142,23 @@ def test_sigkill_of_accum_sched_run_leaves_no_worker_and_frees_the_directory(tmp
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    rundir.release(rundir.hold(str(out)))  # no stale lock: the next run may start
+    deadline = time.monotonic() + 30  # no stale lock: the next run may start (once the last holder has exited)
+    while True:
+        try:
+            rundir.release(rundir.hold(str(out)))
+            break
+        except rundir.ConfigError:
+            lock = str(out / rundir.LOCK)
+            holders = [_cmdline(int(p)) for p in os.listdir("/proc") if p.isdigit() and _holds(int(p), lock)]
+            assert time.monotonic() < deadline, f"the lock is still held by {holders}"
+            time.sleep(0.2)
+
+
+def _holds(pid: int, path: str) -> bool:
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}") == path for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl")
