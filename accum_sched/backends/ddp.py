@@ -44,7 +44,9 @@ class DDPBackend(TorchBackend):
         self.hook: HookState | None = None
         self._stats_work = None
         self._base = (0, 0)  # the hook's (rounds, bytes) when this back end took it (a later engine on the model)
-        if options.count_allreduce:
+        # the hook of an earlier engine on this model stays registered (DDP cannot remove it) and sums without
+        # dividing: this engine must drive it even with count_allreduce=False, or its gradients would be world x
+        if options.count_allreduce or ddp_hook.installed(model):
             try:
                 # DDP takes one comm hook per module for good: an engine built on a model that an earlier engine
                 # drove takes that engine's hook over (ddp_hook.install); the earlier engine refuses further use

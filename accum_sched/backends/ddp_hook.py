@@ -131,6 +131,11 @@ class HookState:
         return torch.stack([norm.double() for _, norm in norms]).square().sum()
 
 
+def installed(model) -> bool:
+    """Whether the engine hook is registered on DDP ``model`` (by an earlier engine)."""
+    return model in _registered
+
+
 def install(model, owner) -> HookState:
     """The engine hook on DDP ``model``, driven by ``owner`` (a back end): registered on a first call; a later call
     for the same model takes the registered state over, as it is, reset for the new owner (the counters run on:

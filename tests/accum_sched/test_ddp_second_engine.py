@@ -6,6 +6,8 @@ counter (tests/counters.py) and the plain-torch large-batch reference:
 * the run that switches engines after epoch 0 (the same model and optimizer) equals the large-batch reference;
 * every optimizer step of the second engine launches one collective, DDP's bucket all-reduce carrying the window's
   numbers, and no small all-reduce of its own; no warning; its counters start at its own first step;
+* a third engine built with count_allreduce=False still drives the registered hook (it cannot be removed and sums
+  without dividing) and stays exact;
 * the first engine, used again, stops with a one-line HookTakenOver error before its first forward (its epoch's
   agreement, the same on every rank, is the only collective it launches).
 """
@@ -62,6 +64,12 @@ def _rank(rank: int, world: int, out_dir: str) -> None:
     report["reuse"] = {"error": reuse["error"], "collectives": again.calls,
                        "grads_kept": all((a is None and p.grad is None) or torch.equal(a, p.grad)
                                          for a, p in zip(grads, model.parameters()))}
+    # a third engine that asks for no hook still drives the one registered (it sums; DDP cannot remove it): one
+    # more epoch with it equals one more epoch of the reference
+    third = AccumulationEngine(wrapped, optimizer, CASE.schedule, max_grad_norm=CASE.clip, count_allreduce=False)
+    third.train_epoch(cases.rank_batches(CASE, rank, 3), loss_fn, 3)
+    report["third_rounds"] = third.allreduce_rounds
+    torch.save(cases.params(model), f"{out_dir}/params3-{rank}.pt")
     with open(f"{out_dir}/report-{rank}.json", "w") as f:
         json.dump(report, f)
 
@@ -79,6 +87,16 @@ def test_second_engine_equals_the_large_batch_reference(ranks):
     for rank in range(2):
         got = torch.load(out / f"params-{rank}.pt")
         for g, w in zip(got, want):
+            assert torch.allclose(g, w, rtol=1e-5, atol=1e-6), (rank, (g - w).abs().max())
+
+
+def test_engine_without_hook_drives_the_registered_one(ranks):
+    out, reports = ranks
+    case4 = cases.Case(CASE.name, CASE.schedule, epochs=4, samples=CASE.samples, clip=CASE.clip)
+    want = cases.params(cases.reference(case4, 2))
+    for rank in range(2):
+        assert reports[rank]["third_rounds"] > 0
+        for g, w in zip(torch.load(out / f"params3-{rank}.pt"), want):
             assert torch.allclose(g, w, rtol=1e-5, atol=1e-6), (rank, (g - w).abs().max())
 
 
