@@ -102,6 +102,7 @@ def remove_stale() -> list[str]:
 
 _cleanups: list = []  # stop() of every started NetnsNodes (and what else registered), newest last
 _handled: dict = {}  # signal -> the handler it had before
+_cleanups_registered: list = []  # [True] once _run_cleanups is an exit handler
 
 
 def _run_cleanups() -> None:
@@ -126,9 +127,11 @@ def _on_signal(signum, frame):
 
 def on_exit(fn) -> None:
     """Run ``fn`` at exit and on SIGTERM / SIGHUP / SIGINT (before the handler the signal had), once."""
-    _cleanups.append(fn)
-    if not _handled and threading.current_thread() is threading.main_thread():
+    if not _cleanups_registered:
         atexit.register(_run_cleanups)
+        _cleanups_registered.append(True)
+    _cleanups.append(fn)
+    if not _handled and threading.current_thread() is threading.main_thread():  # signals: main thread only
         for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             _handled[signum] = signal.getsignal(signum)
             signal.signal(signum, _on_signal)
