@@ -18,7 +18,7 @@ def note(run_dir: str, rank: int, exc: BaseException) -> None:
     try:
         folder = os.path.join(run_dir, FOLDER)
         os.makedirs(folder, exist_ok=True)
-        first = (str(exc).strip().splitlines() or [""])[0][:500]
+        first = (str(exc).strip().splitlines() or [""])[0][:2000]
         record = {"time": time.time(), "rank": rank, "error": f"{type(exc).__name__}: {first}".rstrip(": ")}
         tmp = os.path.join(folder, f"rank-{rank}.json.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
