@@ -288,3 +288,55 @@ def test_an_edited_manifest_is_named_and_skipped(tmp_path, name, edit, problem):
     with pytest.raises(ConfigError, match="pick another checkpoint, or --resume auto") as info:
         store.find(root, paths_[-1])  # named explicitly: refused in one line, exit 2 before launch
     assert problem in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_run_sigkilled_inside_a_checkpoint_commit_resumes_exactly(tmp_path):
+    """The whole run SIGKILLed (agent, and with it the workers) while rank 0 commits its third checkpoint, then
+    `--resume`: the torn step-12.tmp is ignored, the run continues from step 8 and ends bit for bit where an
+    uninterrupted run ends."""
+    from test_checkpoint import CONFIG, DROPOUT, assert_same_bits, outputs
+
+    from launcher.launch import rundir
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FAULT_", "KILL_COMMIT_"))}
+    env["PYTHONPATH"] = ROOT + os.pathsep + paths.TESTS
+
+    def config(name):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(CONFIG.format(out=tmp_path / name, args=DROPOUT, lr_scheduler="{name: cosine, warmup_steps: 2}")
+                        .replace("faulty_tasks:regression", "kill_commit_tasks:regression"))
+        return str(path)
+
+    def accum(*args, extra=None):
+        return subprocess.run([sys.executable, "-m", "launcher", "run", *args], cwd=paths.TESTS,
+                              env={**env, **(extra or {})}, capture_output=True, text=True, timeout=300)
+
+    ref = accum(config("ref"))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    cfg, run, marker = config("run"), tmp_path / "run", tmp_path / "committing"
+    victim = subprocess.Popen([sys.executable, "-m", "launcher", "run", cfg], cwd=paths.TESTS, start_new_session=True,
+                              env={**env, "KILL_COMMIT_AT": "3", "KILL_COMMIT_MARKER": str(marker)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists() and victim.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), "rank 0 never reached its third commit"
+    finally:
+        os.killpg(victim.pid, signal.SIGKILL)  # accum-sched run and torchrun; the workers follow (parent death)
+        victim.wait(timeout=30)
+    deadline = time.monotonic() + 60
+    while True:  # the lock is free once the last worker is gone
+        try:
+            rundir.release(rundir.hold(str(run)))
+            break
+        except rundir.ConfigError:
+            assert time.monotonic() < deadline, "workers outlived the killed run"
+            time.sleep(0.2)
+    root = run / "checkpoints"
+    assert sorted(os.listdir(root)) == ["step-00000004", "step-00000008", "step-00000012.tmp"]
+    assert store.MANIFEST not in os.listdir(root / "step-00000012.tmp")  # torn: written, never committed
+    resumed = accum(cfg, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {root / 'step-00000008'}" in resumed.stdout + resumed.stderr
+    assert_same_bits(str(run), outputs(str(tmp_path / "ref")))
