@@ -72,11 +72,11 @@ class FSDPBackend(TorchBackend):
     """
 
     name = "FSDP2"
-    # A stop inside a window is not offered (the engine falls back to stopping at the boundary): in boundary mode
-    # the window's gradient lives in FSDP2's private unsharded accumulation buffers, not in ``.grad``. fp16 is
+    # A stop inside a window saves this rank's accumulated gradient from where FSDP2 keeps it (its unsharded
+    # accumulation, the sharded .grad or the HSDP partial shard; accum_sched.backends.fsdp_window). fp16 is
     # refused: GradScaler finds infs per shard, so ranks would disagree on skipping and on the scale. The noise
     # scale's probes read DDP buckets or whole local gradients, neither of which FSDP2 hands out.
-    capabilities = dataclasses.replace(TorchBackend.capabilities, stop_mid_window=False, fp16="refused",
+    capabilities = dataclasses.replace(TorchBackend.capabilities, stop_mid_window=True, fp16="refused",
                                        noise_scale=None)
     averages_over_world = True
 
@@ -196,6 +196,23 @@ class FSDPBackend(TorchBackend):
 
     def _grads(self) -> list[torch.Tensor]:
         return [g for g in self._local_grads() if g.numel()]
+
+    # -- an open window (stopped inside it): accum_sched.backends.fsdp_window ----------------------------------
+    def local_grads(self) -> dict:
+        """This rank's accumulated gradient of an open window, wherever FSDP2 keeps it (CPU tensors, per rank)."""
+        from accum_sched.backends import fsdp_window
+
+        return fsdp_window.save(self._modules, self.optimizer)
+
+    def local_grad_tensors(self) -> list[torch.Tensor]:
+        from accum_sched.backends import fsdp_window
+
+        return fsdp_window.tensors(self._modules, self.optimizer)
+
+    def load_local_grads(self, grads) -> None:
+        from accum_sched.backends import fsdp_window
+
+        fsdp_window.load(self._modules, self.optimizer, grads)
 
 
 __all__ = ["FSDPBackend", "SYNC_MODES", "fsdp_modules"]

@@ -116,13 +116,35 @@ def shard(cfg, model, device):
 
 
 # -- checkpoints ------------------------------------------------------------------------------------------------
+UNSTEPPED = "optimizer-unstepped"  # marker file: the optimizer had not stepped when the checkpoint was saved
+
+
 def save(model, optimizer, path: str) -> None:
     """Every rank writes its shards of model and optimizer under ``path`` (DCP). Collective."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    # An optimizer that never stepped (a stop inside the first window) has no state. get_state_dict gives it one by
+    # a zero-gradient step at lr 0 (Adam's step count 1) unless some .grad is set (an open window's shards), and
+    # load() always does: so that state is saved (the open window's gradients held aside meanwhile), the live
+    # optimizer is emptied again, and a marker makes load() empty the loaded one (else the resumed run would take its
+    # first step as the second).
+    unstepped = not optimizer.state
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    held = [p.grad for p in params] if unstepped else []
+    for p in params if unstepped else ():
+        p.grad = None
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer)
+    finally:
+        for p, grad in zip(params, held):
+            p.grad = grad
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
+    if unstepped:
+        optimizer.state.clear()
+        if dist.get_rank() == 0:
+            open(os.path.join(path, UNSTEPPED), "w").close()
 
 
 def load(model, optimizer, path: str) -> None:
@@ -136,6 +158,8 @@ def load(model, optimizer, path: str) -> None:
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=path)  # in place, resharded to this world's layout
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if os.path.exists(os.path.join(path, UNSTEPPED)):  # saved before the first step (see save)
+        optimizer.state.clear()
 
 
 def consolidated_state_dict(model) -> dict | None:
