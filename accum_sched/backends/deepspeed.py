@@ -41,6 +41,7 @@ import warnings
 import torch
 
 from accum_sched import collective
+from accum_sched.backends import deepspeed_window
 from accum_sched.backends.base import Backend, BackendOptions, Capabilities
 from accum_sched.step_rules import NO_CONTEXT, gradient_scale, scale_gradients, scaled_lr, squared_norm
 
@@ -88,8 +89,9 @@ class DeepSpeedBackend(Backend):
     """
 
     name = "DeepSpeed"
-    # No stop inside a window: DeepSpeed's accumulated gradient is not handed out (and at ZeRO 2-3 already
-    # partitioned). The noise scale reads .grad after the window's last backward (ZeRO-0 in fp32, noise_params).
+    # A stop inside a window: per instance, where accum_sched.backends.deepspeed_window can save and restore the
+    # window's accumulated gradient exactly (ZeRO 0-3 with fp32 gradients); elsewhere the engine stops at the
+    # boundary. The noise scale reads .grad after the window's last backward (ZeRO-0 in fp32, noise_params).
     capabilities = Capabilities(stop_mid_window=False, prescale=True, fp16="native", noise_scale="accumulated_grad")
 
     def __init__(self, ds_engine, optimizer=None, lr_scheduler=None, options: BackendOptions | None = None):
@@ -147,6 +149,10 @@ class DeepSpeedBackend(Backend):
             self.stats_dtype = torch.float32  # the bucket's; base-4096 digits keep the counts exact in it
             self._wrap_allreduce_bucket()
             self.capabilities = dataclasses.replace(self.capabilities, stats_in_gradient_collective=True)
+        #: why an open window cannot be saved (None: it can, and a stop may leave the window open)
+        self.open_window_refused = deepspeed_window.supported(ds_engine)
+        if self.open_window_refused is None:
+            self.capabilities = dataclasses.replace(self.capabilities, stop_mid_window=True)
 
     # counters: DeepSpeed launches its own collectives, so allreduce_rounds/bytes stay the base's None (not counted)
 
@@ -310,6 +316,22 @@ class DeepSpeedBackend(Backend):
     def param_groups(self) -> list:
         """The wrapped torch optimizer's groups: its step reads lr, betas and weight decay from them."""
         return (getattr(self.ds, "basic_optimizer", None) or self.ds.optimizer).param_groups
+
+    # -- an open window (stopped inside it): accum_sched.backends.deepspeed_window --------------------------------
+    def local_grads(self) -> dict:
+        """This rank's accumulated gradient of an open window, where DeepSpeed keeps it at this ZeRO stage."""
+        if self.open_window_refused is not None:
+            raise NotImplementedError(f"DeepSpeed cannot save an open window here: {self.open_window_refused}")
+        return deepspeed_window.save(self.ds)
+
+    def local_grad_tensors(self) -> list[torch.Tensor]:
+        return deepspeed_window.tensors(self.ds)
+
+    def load_local_grads(self, grads) -> None:
+        if self.open_window_refused is not None:
+            raise ValueError(f"this DeepSpeed engine cannot continue an open window: {self.open_window_refused}; "
+                             f"resume with the DeepSpeed configuration that saved it")
+        deepspeed_window.load(self.ds, grads)
 
     def noise_params(self) -> list:
         """The DeepSpeed module's parameters, when its local gradient is at hand (ZeRO-0 in fp32); ValueError
