@@ -6,7 +6,8 @@ where the back end allows it, else within 1e-5) and to the DDP run of the same c
 tests/launcher/train/test_scale_costs.py). A resume of that checkpoint on another world size is refused before
 launch (exit 2).
 
-FSDP2 in both gradient-sync modes (the unsharded accumulation and the sharded .grad).
+FSDP2 in both gradient-sync modes (the unsharded accumulation and the sharded .grad) and with keep_gathered (the
+parameters still gathered at the stop); DeepSpeed at ZeRO 0, 1, 2 and 3 (fp32).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ logging: {{progress: plain, tensorboard: "off"}}
 DDP = "backend: ddp, nproc_per_node: 2"
 FSDP_BOUNDARY = "backend: fsdp, nproc_per_node: 2, fsdp: {wrap: [Linear]}"
 FSDP_EVERY = "backend: fsdp, nproc_per_node: 2, fsdp: {gradient_sync: every_micro_batch, wrap: [Linear]}"
+FSDP_KEPT = "backend: fsdp, nproc_per_node: 2, fsdp: {keep_gathered: true, wrap: [Linear]}"
 
 
 def launch(tmp, name, distributed, *args, env=None, wait=True):
@@ -124,7 +126,8 @@ def stopped_inside_a_window_then_resumed(tmp, distributed, ref, bitwise, ddp_ref
         assert summary[key] == ref_summary[key] == ddp_ref[1][key], key
 
 
-@pytest.mark.parametrize("distributed", (FSDP_BOUNDARY, FSDP_EVERY), ids=("boundary", "every_micro_batch"))
+@pytest.mark.parametrize("distributed", (FSDP_BOUNDARY, FSDP_EVERY, FSDP_KEPT),
+                         ids=("boundary", "every_micro_batch", "keep_gathered"))
 def test_fsdp2_stops_inside_a_window_and_resumes_bit_for_bit(tmp_path, ddp, distributed):
     tmp = str(tmp_path)
     status, out = launch(tmp, "ref", distributed)
