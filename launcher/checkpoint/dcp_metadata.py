@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 
-from launcher.errors import CheckpointError
+from launcher.checkpoint.pickle_scan import UnsafePickle
 
 METADATA = ".metadata"
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -27,8 +27,9 @@ _ALLOWED = {
 FIX = "resume from an earlier checkpoint (--resume PATH), or start afresh without --resume"
 
 
-class UnsafeMetadata(CheckpointError):
-    """A DCP .metadata that would import something DCP's metadata never holds."""
+class UnsafeMetadata(UnsafePickle):
+    """A DCP .metadata that would import something DCP's metadata never holds (the worker prints it as one line,
+    as for DeepSpeed's files: launcher/worker.py)."""
 
 
 def _allowed(module: str, name: str):

@@ -249,6 +249,7 @@ def test_a_planted_dcp_metadata_with_a_rewritten_manifest_is_refused_on_resume(t
     line = (f"{os.path.join(ckpt, rel)}: would import os.makedirs when unpickled, which DCP metadata never does: "
             "refused, nothing of it was run; resume from an earlier checkpoint (--resume PATH), or start afresh")
     assert line in resumed.stderr, resumed.stderr[-4000:]
+    assert resumed.stderr.count("error: " + line) == 2  # every rank stops with the same line, as for DeepSpeed's
 
 
 EDITS = [
