@@ -45,6 +45,7 @@ from launcher.checkpoint.parts import (
     save_parts,
     save_shards,
 )
+from launcher.checkpoint.pickle_scan import UnsafePickle
 from launcher.checkpoint.resume import ResumePlan, plan_resume
 from launcher.checkpoint.rng import RankRng, rng_state, seed_rank, set_rng_state
 from launcher.train import coordination
@@ -198,8 +199,9 @@ class Checkpointer:
             imported = re.search(r"GLOBAL ([\w.]+)", str(exc))
             what = (f"it would import {imported.group(1)}, refused by weights_only" if imported else
                     f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
-            raise CheckpointError(f"{path}: cannot be loaded ({what}); nothing of it was run: resume from an earlier "
-                                  "checkpoint (--resume PATH), or start afresh without --resume") from exc
+            error = UnsafePickle if imported else CheckpointError  # UnsafePickle: one line from the worker
+            raise error(f"{path}: cannot be loaded ({what}); nothing of it was run: resume from an earlier "
+                        "checkpoint (--resume PATH), or start afresh without --resume") from exc
 
     def _load_model(self, state: dict, path: str) -> None:
         load_shards(self.parts, path)

@@ -165,6 +165,7 @@ class Payload:
 @pytest.mark.parametrize("name", [store.STATE, "window-rank0.pt", "stream-rank1.pt"])
 def test_a_malicious_pickle_in_our_state_files_is_never_run(tmp_path, name):
     from launcher.checkpoint.checkpointer import Checkpointer, CheckpointError
+    from launcher.checkpoint.pickle_scan import UnsafePickle
 
     marker = str(tmp_path / "ran")
     path = str(tmp_path / name)
@@ -172,6 +173,7 @@ def test_a_malicious_pickle_in_our_state_files_is_never_run(tmp_path, name):
     with pytest.raises(CheckpointError) as info:
         Checkpointer._load(None, path)  # as resume loads trainer.pt, window-rank<R>.pt and stream-rank<R>.pt
     assert not os.path.exists(marker)
+    assert isinstance(info.value, UnsafePickle)  # the worker says it in one line (launcher/worker.py)
     assert str(info.value) == (f"{path}: cannot be loaded (it would import os.makedirs, refused by weights_only); "
                                "nothing of it was run: resume from an earlier checkpoint (--resume PATH), or start "
                                "afresh without --resume")
@@ -215,14 +217,21 @@ logging: {{progress: plain}}
 """
 
 
-def test_a_planted_dcp_metadata_with_a_rewritten_manifest_is_refused_on_resume(tmp_path):
-    """The checksums cannot stop one who rewrites manifest.json too: DCP's plain pickle.load must never see it."""
+@pytest.mark.parametrize("backend", ["fsdp", "ddp"])
+def test_a_planted_pickle_with_a_rewritten_manifest_is_refused_on_resume(tmp_path, backend):
+    """The checksums cannot stop one who rewrites manifest.json too. FSDP2: DCP's .metadata, which torch reads with
+    a plain pickle.load; DDP: trainer.pt, read with weights_only. Either way nothing of it runs, on any rank, and
+    every rank stops with the same line."""
     import hashlib
     import json
     import pickle
 
-    cfg = tmp_path / "fsdp.yaml"
-    cfg.write_text(FSDP.format(out=tmp_path / "run"))
+    cfg = tmp_path / "cfg.yaml"
+    text = FSDP.format(out=tmp_path / "run")
+    if backend == "ddp":
+        text = text.replace("backend: fsdp, nproc_per_node: 2, fsdp: {wrap: [Linear]}",
+                            "backend: ddp, nproc_per_node: 2")
+    cfg.write_text(text)
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
     def accum(*args):
@@ -235,21 +244,29 @@ def test_a_planted_dcp_metadata_with_a_rewritten_manifest_is_refused_on_resume(t
     manifest_path = os.path.join(ckpt, store.MANIFEST)
     with open(manifest_path) as f:
         manifest = json.load(f)
-    [rel] = [r for r in manifest["files"] if os.path.basename(r) == ".metadata"]
     marker = str(tmp_path / "ran")
-    data = pickle.dumps(Payload(marker))
-    with open(os.path.join(ckpt, rel), "wb") as f:
-        f.write(data)
+    if backend == "fsdp":
+        [rel] = [r for r in manifest["files"] if os.path.basename(r) == ".metadata"]
+        with open(os.path.join(ckpt, rel), "wb") as f:
+            pickle.dump(Payload(marker), f)
+        line = (f"{os.path.join(ckpt, rel)}: would import os.makedirs when unpickled, which DCP metadata never "
+                "does: refused, nothing of it was run; resume from an earlier checkpoint (--resume PATH), or start "
+                "afresh without --resume")
+    else:
+        rel = store.STATE
+        torch.save({"format": store.FORMAT, "engine": Payload(marker)}, os.path.join(ckpt, rel))
+        line = (f"{os.path.join(ckpt, rel)}: cannot be loaded (it would import os.makedirs, refused by weights_only); "
+                "nothing of it was run: resume from an earlier checkpoint (--resume PATH), or start afresh without "
+                "--resume")
+    with open(os.path.join(ckpt, rel), "rb") as f:
+        data = f.read()
     manifest["files"][rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     with open(manifest_path, "w") as f:
         json.dump(manifest, f)
     resumed = accum("--resume", ckpt)  # bounded by the timeout: every rank stops, none waits
     assert resumed.returncode != 0
     assert not os.path.exists(marker)  # on no rank
-    line = (f"{os.path.join(ckpt, rel)}: would import os.makedirs when unpickled, which DCP metadata never does: "
-            "refused, nothing of it was run; resume from an earlier checkpoint (--resume PATH), or start afresh")
-    assert line in resumed.stderr, resumed.stderr[-4000:]
-    assert resumed.stderr.count("error: " + line) == 2  # every rank stops with the same line, as for DeepSpeed's
+    assert resumed.stderr.count("error: " + line) == 2, resumed.stderr[-4000:]  # the same line from every rank
 
 
 EDITS = [
