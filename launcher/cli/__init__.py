@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        from launcher.launch import rundir
+
+        rundir.release_all()  # the output_dir lock of `run` ends with the command (also when called in-process)
 
 
 if __name__ == "__main__":

@@ -78,5 +78,10 @@ def release(fd: int) -> None:
     os.close(fd)
 
 
+def release_all() -> None:
+    for fd in list(_HELD.values()):
+        release(fd)
+
+
 def held() -> tuple[int, ...]:
     return tuple(_HELD.values())

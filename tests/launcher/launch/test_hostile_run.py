@@ -203,3 +203,16 @@ def test_a_rendezvous_port_in_use_here_is_one_line_exit_2(tmp_path, capsys):
     torchrun.check_endpoint(f"127.0.0.1:{port}")  # free again
     with pytest.raises(torchrun.ConfigError, match="outside 1..65535"):
         torchrun.check_endpoint("127.0.0.1:70000")
+
+
+def test_the_lock_ends_with_the_command_also_in_process(tmp_path, capsys):
+    out = tmp_path / "out"
+    # refused after the lock was taken (a --resume that does not exist): the directory is free again at once
+    assert cli.main(["run", write(tmp_path, str(out)), "--resume", str(tmp_path / "nope")]) == 2
+    assert "error: --resume: " in capsys.readouterr().err
+    assert rundir.held() == ()
+    fd = os.open(out / rundir.LOCK, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another process could take it now
+    finally:
+        os.close(fd)
