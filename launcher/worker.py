@@ -48,9 +48,11 @@ def main(argv=None) -> int:
         preemption.attach(trainer.engine.request_stop)
         trainer.fit()
     except ConfigError as err:  # bad input found once the task and its classes are imported: one line, exit 2
+        failures.note(cfg.run.output_dir, int(os.environ.get("RANK", "0")), err, shown=True)
         print(f"error: {err.line()}", file=sys.stderr, flush=True)
         return 2
     except UnsafePickle as err:  # a checkpoint file that would import code (launcher/checkpoint/pickle_scan.py)
+        failures.note(cfg.run.output_dir, int(os.environ.get("RANK", "0")), err, shown=True)  # the others may not
         sys.stderr.write(f"error: {err}\n")  # one write: every rank says it, and the lines must not interleave
         sys.stderr.flush()
         return 2

@@ -94,7 +94,7 @@ def main(args) -> int:
     began = time.time()
     status, signals = forward.call(torchrun_argv(plan, worker_args), env)
     failed = failures.first(run_dir, began) if status != 0 and not signals else None
-    if failed:  # the cause among every rank's tracebacks above
+    if failed and not failed.get("shown"):  # the cause among every rank's tracebacks above
         print(f"error: rank {failed['rank']} failed first: {failed['error']}; every rank stopped (tracebacks "
               f"above): fix the cause, then `accum-sched run {args.config} --resume` continues from the last "
               "checkpoint", file=sys.stderr)

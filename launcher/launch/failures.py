@@ -13,13 +13,15 @@ import time
 FOLDER = ".failures"
 
 
-def note(run_dir: str, rank: int, exc: BaseException) -> None:
-    """Record that this rank raises ``exc`` now (best effort: never masks the exception itself)."""
+def note(run_dir: str, rank: int, exc: BaseException, shown: bool = False) -> None:
+    """Record that this rank raises ``exc`` now (best effort: never masks the exception itself). ``shown``: the
+    worker printed it as its own one-line ``error:`` (bad input), which the command then does not repeat."""
     try:
         folder = os.path.join(run_dir, FOLDER)
         os.makedirs(folder, exist_ok=True)
         first = (str(exc).strip().splitlines() or [""])[0][:2000]
-        record = {"time": time.time(), "rank": rank, "error": f"{type(exc).__name__}: {first}".rstrip(": ")}
+        record = {"time": time.time(), "rank": rank, "error": f"{type(exc).__name__}: {first}".rstrip(": "),
+                  "shown": shown}
         tmp = os.path.join(folder, f"rank-{rank}.json.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(record, f)
