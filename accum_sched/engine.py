@@ -149,7 +149,7 @@ class AccumulationEngine:
             micro-batch at any factor: ranks agree through a one-number all-reduce per micro-batch, started after
             each backward and read one micro-batch later on a gloo group of its own, so it never blocks; the open
             window is then saved by :meth:`state_dict`). Back ends that cannot save a partial window (DeepSpeed
-            with bf16/fp16 weights), and the noise-scale measurement (its per-window sums are not saved), fall back
+            with fp16 weights), and the noise-scale measurement (its per-window sums are not saved), fall back
             to ``"boundary"``.
         norm_every: measure the global gradient norm (``StepInfo.grad_norm``, and with it the check for a non-finite
             gradient) every this many optimizer steps; None: never. It is measured at every step whatever this says

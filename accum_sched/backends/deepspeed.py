@@ -90,7 +90,7 @@ class DeepSpeedBackend(Backend):
 
     name = "DeepSpeed"
     # A stop inside a window: per instance, where accum_sched.backends.deepspeed_window can save and restore the
-    # window's accumulated gradient exactly (ZeRO 0-3 with fp32 gradients); elsewhere the engine stops at the
+    # window's accumulated gradient exactly (ZeRO 0-3, fp32 or bf16 weights); elsewhere the engine stops at the
     # boundary. The noise scale reads .grad after the window's last backward (ZeRO-0 in fp32, noise_params).
     capabilities = Capabilities(stop_mid_window=False, prescale=True, fp16="native", noise_scale="accumulated_grad")
 

@@ -1,7 +1,7 @@
 """Preemption: SLURM warns a job with a signal (`#SBATCH --signal=USR2@90`, or `scancel --signal=USR2 JOBID`), and
 Kubernetes or a local scheduler sends SIGTERM (`accum-sched run` forwards it to the workers,
 launcher/launch/forward.py); the workers stop within about one micro-batch (the engine's stop_at="micro_batch";
-DeepSpeed with bf16/fp16 weights: at the next optimizer boundary), commit a checkpoint holding the open window,
+DeepSpeed with fp16 weights: at the next optimizer boundary), commit a checkpoint holding the open window,
 rank 0 requeues the job under SLURM, and every rank exits with status 0 (so torchrun does not restart the group). A
 second SIGTERM ends a worker at once.
 

@@ -227,7 +227,7 @@ class Trainer:
             max_grad_norm=cfg.optimizer.max_grad_norm, normalize=acc.normalize, uneven=acc.uneven,
             nonfinite=acc.nonfinite, precision=cfg.run.precision, micro_batch_size=cfg.data.micro_batch_size,
             lr_coupling=acc.lr_coupling, co_scale=acc.co_scale, noise_scale=acc.noise_scale, adaptive=self.adaptive,
-            stop_at="micro_batch",  # preemption within ~1 micro-batch (DeepSpeed bf16/fp16, noise scale: boundary)
+            stop_at="micro_batch",  # preemption within ~1 micro-batch (DeepSpeed fp16, noise scale: boundary)
             norm_every=cfg.logging.log_every)
 
     def _make_validation(self):
