@@ -98,6 +98,8 @@ def main(args) -> int:
         print(f"error: rank {failed['rank']} failed first: {failed['error']}; every rank stopped (tracebacks "
               f"above): fix the cause, then `accum-sched run {args.config} --resume` continues from the last "
               "checkpoint", file=sys.stderr)
+    if failed and failed.get("shown"):  # a worker found bad input (ConfigError, UnsafePickle) and said it in one line
+        return 2
     if signals and status == 0 and not _completed_since(run_dir, began):
         print(f"accum-sched: stopped by signal {signals[0]}: checkpoint committed; continue with "
               f"`accum-sched run {args.config} --resume` (exit {forward.PREEMPTED_STATUS})", file=sys.stderr)
