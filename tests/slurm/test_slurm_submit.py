@@ -13,28 +13,12 @@ import sys
 from pathlib import Path
 
 import paths
+from earlier_runs import earlier_run
 from launcher.checkpoint import store
-from launcher.config import load_config
 
 ROOT = paths.ROOT_PATH
 DEMO = ROOT / "configs" / "demo.yaml"
 HOLD = ["--set", 'slurm.extra_sbatch=["--hold"]']
-
-
-def _earlier_run(cwd: Path, steps=(10, 20), overrides=()) -> Path:
-    """Committed checkpoints of an earlier demo run (2 workers) in cwd/runs/demo/checkpoints."""
-    run_dir = cwd / "runs" / "demo"
-    cfg = load_config(str(DEMO), [f"run.output_dir={run_dir}", *overrides])
-    root = Path(store.checkpoint_root(cfg))
-    root.mkdir(parents=True)
-    for step in steps:
-        tmp = root / f"step-{step:08d}.tmp"
-        tmp.mkdir()
-        (tmp / store.STATE).write_bytes(os.urandom(64))
-        store.commit(str(tmp), store.step_dir(str(root), step),
-                     {"format": store.FORMAT, "step": step, "world_size": cfg.world_size, "factor_scale": [1, 1],
-                      "config_hash": store.config_hash(cfg), "config": store.training_config(cfg)})
-    return root
 
 
 def _names(root: Path) -> list[str]:
@@ -52,7 +36,7 @@ def _job_id(done) -> str:
 
 
 def test_fresh_submission_moves_an_earlier_run_aside(slurm, tmp_path):  # noqa: F811
-    root = _earlier_run(tmp_path)
+    root = earlier_run(tmp_path)
     done = _slurm_cli(tmp_path, slurm.env, *HOLD)
     job_id = _job_id(done)
     try:
@@ -68,7 +52,7 @@ def test_fresh_submission_moves_an_earlier_run_aside(slurm, tmp_path):  # noqa: 
 
 
 def test_resume_is_checked_before_queueing_and_keeps_the_checkpoints(slurm, tmp_path):  # noqa: F811
-    root = _earlier_run(tmp_path, overrides=["optimizer.lr=0.01"])
+    root = earlier_run(tmp_path, overrides=["optimizer.lr=0.01"])
     before = _names(root)
     queued = slurm.run("squeue", "-h", "-o", "%i").stdout.split()
     other = _slurm_cli(tmp_path, slurm.env, "--resume", *HOLD)
@@ -80,7 +64,7 @@ def test_resume_is_checked_before_queueing_and_keeps_the_checkpoints(slurm, tmp_
 
     same = tmp_path / "same"
     same.mkdir()
-    root = _earlier_run(same)
+    root = earlier_run(same)
     job_id = _job_id(_slurm_cli(same, slurm.env, "--resume", *HOLD))
     try:
         assert _names(root) == ["step-00000010", "step-00000020"]  # kept for the job to continue
@@ -93,7 +77,7 @@ def test_resume_is_checked_before_queueing_and_keeps_the_checkpoints(slurm, tmp_
 
 
 def test_failed_sbatch_puts_moved_checkpoints_back(tmp_path):
-    root = _earlier_run(tmp_path)
+    root = earlier_run(tmp_path)
     # the whole submission path (checkpoint policy included) without torch: exit 3 if it got imported
     code = ("import sys; from launcher.cli import main; rc = main(['slurm', %r]); "
             "sys.exit(3 if 'torch' in sys.modules else rc)" % str(DEMO))

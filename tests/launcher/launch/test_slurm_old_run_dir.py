@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import paths
-from launcher.checkpoint import store
+from earlier_runs import earlier_run
 from launcher.checkpoint.resume import plan_resume
 from launcher.config import load_config
 
@@ -26,18 +26,8 @@ echo 4242
 
 
 def _earlier_run(cwd: Path) -> Path:
-    run_dir = cwd / "runs" / "demo"
-    cfg = load_config(str(DEMO), [f"run.output_dir={run_dir}"])
-    root = Path(store.checkpoint_root(cfg))
-    root.mkdir(parents=True)
-    for step in (10, 20):
-        tmp = root / f"step-{step:08d}.tmp"
-        tmp.mkdir()
-        (tmp / store.STATE).write_bytes(os.urandom(64))
-        store.commit(str(tmp), store.step_dir(str(root), step),
-                     {"format": store.FORMAT, "step": step, "world_size": cfg.world_size, "factor_scale": [1, 1],
-                      "config_hash": store.config_hash(cfg), "config": store.training_config(cfg)})
-    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    root = earlier_run(cwd)
+    (cwd / "runs" / "demo" / "metrics.jsonl").write_text('{"step": 1}\n')
     return root
 
 
