@@ -54,6 +54,9 @@ class LauncherBackend(ABC):
     # True when the back end writes model and optimizer as files of its own inside a checkpoint directory
     # (save_shards / load_shards); trainer.pt then holds neither. False: trainer.pt holds both.
     sharded_checkpoint: ClassVar[bool] = False
+    # this back end's keys in the distributed section, ``{name: (annotation, launcher.options.key(...))}``
+    # (``fsdp``, ``deepspeed_config``): declared in its module, composed into the config by the registry
+    options: ClassVar[dict] = {}
 
     # -- config side: torch-free ------------------------------------------------------------------------------
     def validate(self, cfg) -> None:
