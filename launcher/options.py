@@ -153,7 +153,7 @@ def options_of(model: type):
     adapter = TypeAdapter(model)
 
     def run(value):
-        adapter.validate_python(value)  # a ValidationError: nested into the key's error (launcher/config/errors.py)
+        adapter.validate_python(value)  # its errors join the config's, under the key's path
         return value
     return AfterValidator(run)
 
@@ -183,14 +183,14 @@ def _declared_type(meta: dict, annotation):
         typed = functools.reduce(lambda a, b: a | b, [mapping if a is dict else _strict(a) for a in rest])
     else:
         typed = _strict(base)
+    described = pydantic.Field(description=meta.get("doc"), json_schema_extra={"x-hashed": bool(meta.get("train"))})
     check = meta.get("check")
     if isinstance(check, annotated_types.BaseMetadata):
         extras.append(check)
     elif check is not None:
         extras.append(_checked(check))
-    if extras:
-        typed = Annotated[typed, *extras]
-    return typed | None if nullable else typed
+    typed = Annotated[typed, *extras] if extras else typed
+    return Annotated[typed | None if nullable else typed, described]
 
 
 def section(cls=None, *, path: str = ""):

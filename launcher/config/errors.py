@@ -37,21 +37,30 @@ def _members(annotation) -> list[str]:
     return [] if name == "NoneType" else [name]
 
 
+def _is_tag(part) -> bool:
+    """A union member's tag in a pydantic loc (``bool``, ``function-after[run(), dict[any,any]]``), not a key."""
+    return not isinstance(part, str) or "[" in part or part in _TYPES
+
+
 def _walk(loc: tuple, owner: type) -> tuple[list[str], type, str | None, dict]:
-    """The key names ``loc`` passes through (union tags and list indexes dropped), the class holding the last one,
-    that key's name and its declaration metadata."""
-    path, name, meta = [], None, {}
+    """The key names ``loc`` passes through (union tags and list indexes dropped), the class that declares the last
+    one, that key's name and its declaration metadata. A mapping-valued key's options are walked into."""
+    path, name, meta, inside, holder = [], None, {}, False, owner
     for part in loc:
         fields = {f.name: f for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else {}
         if not isinstance(part, str) or part not in fields:
-            if isinstance(part, str) and fields:
+            if inside and _is_tag(part):
+                continue  # the mapping member of a union (run.compile: bool or its options)
+            if isinstance(part, str) and fields and not _is_tag(part):
                 path.append(part)  # an unknown key: named as written
-                name, meta = part, {}
+                name, meta, holder = part, {}, owner
             break
         path.append(part)
-        name, meta = part, dict(fields[part].metadata)
+        name, meta, inside, holder = part, dict(fields[part].metadata), False, owner
         factory = fields[part].default_factory
-        if isinstance(factory, type) and dataclasses.is_dataclass(factory):
+        if meta.get("model") is not None:
+            owner, inside = meta["model"], True
+        elif isinstance(factory, type) and dataclasses.is_dataclass(factory):
             owner = factory
         else:
             hints = typing.get_type_hints(owner)
@@ -59,34 +68,33 @@ def _walk(loc: tuple, owner: type) -> tuple[list[str], type, str | None, dict]:
             if not nested:
                 break
             owner = nested[0]
-    return path, owner, name, meta
+    return path, holder, name, meta
 
 
 def _pick(errors: list[dict]) -> dict:
-    """The error to report: one that says more than "not this member of the union" when there is one."""
-    for err in errors:
-        if err["type"] not in _TYPE_ERRORS and err["type"] != "none_required":
-            return err
+    """The error to report: an unknown key first, then one that says more than "not this member of the union"."""
+    for wanted in (lambda t: t in ("unexpected_keyword_argument", "extra_forbidden"),
+                   lambda t: t not in _TYPE_ERRORS and t != "none_required"):
+        for err in errors:
+            if wanted(err["type"]):
+                return err
     return errors[0]
 
 
-def config_error(exc: pydantic.ValidationError, root: type, prefix: str = "") -> ConfigError:
-    """The first error of ``exc`` (validating ``root``) as a ConfigError; ``prefix`` the path of ``root``."""
+def config_error(exc: pydantic.ValidationError, root: type) -> ConfigError:
+    """The first error of ``exc`` (validating ``root``, the Config) as a ConfigError."""
     err = _pick(exc.errors(include_url=False))
     path, owner, name, meta = _walk(err["loc"], root)
-    field = prefix + ".".join(path) if path else prefix.rstrip(".") or "config"
+    field = ".".join(path) or "config"
     kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
     declared = getattr(owner, "__declared__", {}).get(name) or typing.get_type_hints(owner).get(name) \
         if name and dataclasses.is_dataclass(owner) else None
     hint = meta.get("hint", "")
-    if kind == "value_error" and isinstance(ctx.get("error"), pydantic.ValidationError):
-        model = meta.get("model")  # a mapping-valued key's options: their error, under the key's path
-        return config_error(ctx["error"], model, field + ".")
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
         known = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
         return ConfigError(field, "unknown key", _did_you_mean(str(name), known))
     if kind == "missing":
-        section = prefix.rstrip(".") or ".".join(path[:-1])
+        section = ".".join(path[:-1])
         return ConfigError(field, "is required", hint or f"add '{name}:' under '{section}:'")
     if kind == "check":
         where = f"{field}.{ctx['field']}" if ctx.get("field") else field
@@ -103,6 +111,8 @@ def config_error(exc: pydantic.ValidationError, root: type, prefix: str = "") ->
         return ConfigError(field, f"must be {op} {ctx[bound]}, got {value!r}", hint or "change the value")
     if kind == "string_too_short":
         return ConfigError(field, f"expected a non-empty string, got {value!r}", hint or "write the value")
+    if kind in _TYPE_ERRORS and value is None:
+        return ConfigError(field, "must not be null", hint or "give a value, or remove the key for its default")
     if kind in _TYPE_ERRORS:
         members = _members(declared) if declared is not None else []
         if len(members) < 2:

@@ -374,8 +374,10 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             value = safe_load(text, f"--set {key}") if text.strip() else ""
         except yaml.YAMLError:
             value = text
-        if field is not None and field.kind == "str" and not isinstance(value, str) and value is not None:
-            value = text  # typed by the schema: a text key keeps the text as written
+        on_off = field is not None and isinstance(value, bool) and {"on", "off"} <= set(field.choices or ())
+        if field is not None and field.kind == "str" and not isinstance(value, str) and value is not None \
+                and not on_off:
+            value = text  # typed by the schema: a text key keeps the text as written (YAML's on/off: on/off)
         node = out
         for part in parts[:-1]:  # copies down the path: the caller's raw stays as it was
             inner = node.get(part)
