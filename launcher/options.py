@@ -23,7 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import annotated_types
 import pydantic
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, Strict, TypeAdapter, WithJsonSchema
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Strict, TypeAdapter
 from pydantic_core import PydanticCustomError
 
 MODEL_CONFIG = ConfigDict(extra="forbid", arbitrary_types_allowed=True)  # frozen: by each dataclass decorator
@@ -148,12 +148,25 @@ def _checked(check):
     return AfterValidator(run)
 
 
+class _SchemaOf:
+    """JSON Schema of a key as that of ``annotation`` (a mapping-valued key's options), built only when a schema is
+    asked for (`accum-sched schema`), not each time the config is imported."""
+
+    def __init__(self, annotation):
+        self.annotation = annotation
+
+    def __get_pydantic_json_schema__(self, core_schema, handler):
+        return TypeAdapter(self.annotation).json_schema()
+
+
 def options_of(model: type):
     """A validator keeping a mapping as written once ``model`` accepts it (its errors nested under the key)."""
-    adapter = TypeAdapter(model)
+    adapter = []  # built on first use: importing the config stays cheap
 
     def run(value):
-        adapter.validate_python(value)  # its errors join the config's, under the key's path
+        if not adapter:
+            adapter.append(TypeAdapter(model))
+        adapter[0].validate_python(value)  # its errors join the config's, under the key's path
         return value
     return AfterValidator(run)
 
@@ -168,8 +181,7 @@ def _declared_type(meta: dict, annotation):
     base = functools.reduce(lambda a, b: a | b, rest)
     extras: list = []
     if meta.get("kind") == "schedule":
-        typed = Annotated[Any, BeforeValidator(_schedule_value),
-                          WithJsonSchema(TypeAdapter(dict[int, int] | str | int).json_schema())]
+        typed = Annotated[Any, BeforeValidator(_schedule_value), _SchemaOf(dict[int, int] | str | int)]
     elif meta.get("choices") is not None:
         typed = Literal[tuple(meta["choices"])]
         if {"on", "off"} <= set(meta["choices"]):
@@ -178,8 +190,7 @@ def _declared_type(meta: dict, annotation):
         typed = Text
     elif meta.get("model") is not None:
         model = meta["model"]
-        schema = TypeAdapter(model).json_schema()
-        mapping = Annotated[dict, options_of(model), WithJsonSchema(schema)]
+        mapping = Annotated[dict, options_of(model), _SchemaOf(model)]
         typed = functools.reduce(lambda a, b: a | b, [mapping if a is dict else _strict(a) for a in rest])
     else:
         typed = _strict(base)
