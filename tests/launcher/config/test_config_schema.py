@@ -182,3 +182,55 @@ def test_shipped_configs_hash_as_before(monkeypatch):
     assert len(recorded) >= 10
     for path, sets, digest in recorded:
         assert store.config_hash(load_config(path, sets)) == digest, (path, sets)
+
+
+# -- a back end's option is one declaration in its own module ------------------------------------------------------
+ADDED_BACKEND = '''if True:
+    import json, sys
+    from launcher import backends
+    from launcher.backends.base import LauncherBackend
+    from launcher.options import Section, key, section
+
+    @section(path="distributed.minimal")
+    class MinimalOptions(Section):
+        level: int = key(1, train=True, check=lambda v: None if v <= 3 else f"must be <= 3, got {v}",
+                         doc="how minimal")
+
+    class MinimalLauncherBackend(LauncherBackend):  # the module a new back end adds
+        name = "minimal"
+        options = {"minimal": (MinimalOptions, key(MinimalOptions, train=True, doc="the minimal back end's options"))}
+
+        def setup(self, *a):
+            raise NotImplementedError
+
+        def final_state_dict(self, *a):
+            raise NotImplementedError
+
+    backends._BACKENDS["minimal"] = MinimalLauncherBackend()  # the registry line
+    backends.NAMES = tuple(backends._BACKENDS)
+
+    from launcher.config import load_config, reference
+    from launcher.config.json_schema import config_schema
+    from launcher.errors import ConfigError
+
+    cfg = load_config("configs/demo.yaml", ["distributed.backend=minimal", "distributed.minimal.level=3"])
+    out = {"level": cfg.distributed.minimal.level, "row": "| `distributed.minimal.level` | 1 | yes |" in reference.table(),
+           "schema": "MinimalOptions" in config_schema()["$defs"]}
+    for bad in ("distributed.minimal.level=4", "distributed.minimal.levle=2"):
+        try:
+            load_config("configs/demo.yaml", ["distributed.backend=minimal", bad])
+        except ConfigError as exc:
+            out[bad] = exc.line()
+    print(json.dumps(out))
+'''
+
+
+def test_a_back_end_with_an_option_is_its_module_and_a_registry_line():
+    proc = subprocess.run([sys.executable, "-c", ADDED_BACKEND], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["level"] == 3 and out["row"] and out["schema"], out
+    assert out["distributed.minimal.level=4"] == "distributed.minimal.level: must be <= 3, got 4; change the value"
+    assert out["distributed.minimal.levle=2"].startswith("distributed.minimal.levle: unknown key; did you mean "
+                                                         "'level'?")
