@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from launcher.config.json_schema import config_schema
 from launcher.errors import ConfigError
 
 
@@ -16,8 +17,6 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from launcher.config.json_schema import config_schema  # pydantic builds it: only when asked
-
     text = json.dumps(config_schema(), indent=2) + "\n"
     if args.output is None:
         print(text, end="")

@@ -22,9 +22,11 @@ from typing import Any
 import pydantic
 import yaml
 
+from accum_sched import schedule_from
 from launcher import backends
 from launcher.config import noise as noise_config
 from launcher.config import sections
+from launcher.config.errors import config_error
 from launcher.config.sections import LR_SCHEDULERS, OPTIMIZERS, Config, Section  # noqa: F401 (re-exported)
 from launcher.errors import ConfigError
 
@@ -129,8 +131,6 @@ _did_you_mean = did_you_mean
 
 def validate(raw: dict) -> Config:
     """Check ``raw`` (parsed YAML) against the typed sections; fill defaults; raise ConfigError naming the field."""
-    from launcher.config.errors import config_error
-
     if not isinstance(raw, dict):
         raise ConfigError("config", f"the file must hold a mapping of sections, got {type(raw).__name__}",
                           "start with e.g. 'task: {target: builtin:regression}'")
@@ -216,8 +216,6 @@ def _check_co_scale(cfg: Config) -> None:
 def _check_schedule_from(cfg: Config) -> None:
     """``accumulation.schedule_from`` against the other keys (its own: sections.ScheduleFromSpec): a rule that
     converts the configured LR scheduler, alone (docs/batch-size.md)."""
-    from accum_sched import schedule_from
-
     acc, field = cfg.accumulation, "accumulation.schedule_from"
     if acc.schedule_from is None:
         return

@@ -1,16 +1,19 @@
-"""The config's sections as frozen dataclasses: every key with its type, default, check, one-line doc and mark.
+"""The config's sections as typed, frozen pydantic dataclasses: every key with its type, default, check, doc and mark.
 
-The dataclasses are the schema. Each key is declared with :func:`key`, whose metadata holds what validation needs
-(choices, check, hint), the line of the reference in docs/cli.md (``doc``, printed by
-``python -m launcher.config.reference``) and ``train``: whether the key changes what is trained. The checkpoint's
-config hash (launcher/checkpoint/store.py: training_config) covers exactly the keys marked ``train=True``, so every
-new key has to say (the argument is required) whether a checkpoint made under another value may be resumed. The
-hash leaves out keys at their default, so a key added with its default keeps older checkpoints resumable; the other
-side of that: changing the default of a hashed key changes what older checkpoints recorded by leaving it out.
+The sections are the schema. Each key is declared with :func:`launcher.options.key`, whose metadata holds what
+validation needs (choices, check, hint, the typed options of a mapping-valued key), the line of the reference in
+docs/cli.md (``doc``, printed by ``python -m launcher.config.reference``) and ``train``: whether the key changes what
+is trained. The checkpoint's config hash (launcher/checkpoint/store.py: training_config) covers exactly the keys
+marked ``train=True``, so every new key has to say (the argument is required) whether a checkpoint made under another
+value may be resumed. The hash leaves out keys at their default, so a key added with its default keeps older
+checkpoints resumable; the other side of that: changing the default of a hashed key changes what older checkpoints
+recorded by leaving it out.
 
 The type of a key is its annotation: ``int``, ``float``, ``str``, ``bool``, ``dict`` (a mapping), ``list``, a union
-of several (any value, left to the check), a nested section (``FSDPConfig``); ``| None`` allows null. Validation and
-coercion live in schema.py; torch-free, like all of launcher/config.
+of several, a nested section (``FSDPConfig``); ``| None`` allows null. :func:`launcher.options.section` makes each
+annotation the strict pydantic type that validates it; a back end's keys (``distributed.fsdp``,
+``distributed.deepspeed_config``) are declared in its own module and added to DistributedConfig from the registry.
+Rules between keys live in schema.py; torch-free, like all of launcher/config.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from launcher import backends
 from launcher.config.noise import AdaptiveOptions
 from launcher.config.trackers import MLflowOptions, WandbOptions
 from launcher.errors import ConfigError
+from launcher.import_path import looks_like_path
 from launcher.options import MODEL_CONFIG, Section, at_least, key, options, positive, section
 
 __all__ = ["Config", "Section", "at_least", "key", "positive", "section"]
@@ -32,8 +36,6 @@ __all__ = ["Config", "Section", "at_least", "key", "positive", "section"]
 
 def name_or_path(known):
     def check(value):
-        from launcher.import_path import looks_like_path
-
         if value in known or looks_like_path(value):
             return None
         return f"{value!r} is not one of {', '.join(known)} nor an import path"
