@@ -173,11 +173,10 @@ def options_of(model: type):
 
 def _declared_type(meta: dict, annotation):
     """The pydantic type of one key from its annotation and declaration (see the module's docstring)."""
-    rest = [a for a in (typing.get_args(annotation) or (annotation,))
-            if a is not type(None)] if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
-        else [annotation]
-    nullable = len(rest) < len(typing.get_args(annotation)) if typing.get_origin(annotation) in (
-        typing.Union, types.UnionType) else False
+    members = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+        else (annotation,)
+    rest = [a for a in members if a is not type(None)]
+    nullable = len(rest) < len(members)
     base = functools.reduce(lambda a, b: a | b, rest)
     extras: list = []
     if meta.get("kind") == "schedule":

@@ -130,7 +130,7 @@ class DataConfig(Section):
 class AccumulationConfig(Section):
     SECTION: ClassVar[str] = "accumulation"
     schedule: dict[int, int] | str | int | None = key(
-        None, train=True, kind="schedule",
+        None, train=True, kind="schedule", hint="write e.g. {0: 1, 5: 2, 10: 4}",
         doc="factor per epoch (or `unit`), e.g. `{0: 1, 4: 2}`; null: factor 1 or `global_batch`'s; see "
             "[Schedules](guide.md#schedules)")
     global_batch: int | None = key(None, train=True, check=at_least(1),

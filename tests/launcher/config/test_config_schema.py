@@ -214,7 +214,8 @@ ADDED_BACKEND = '''if True:
     from launcher.errors import ConfigError
 
     cfg = load_config("configs/demo.yaml", ["distributed.backend=minimal", "distributed.minimal.level=3"])
-    out = {"level": cfg.distributed.minimal.level, "row": "| `distributed.minimal.level` | 1 | yes |" in reference.table(),
+    row = "| `distributed.minimal.level` | 1 | yes |"
+    out = {"level": cfg.distributed.minimal.level, "row": row in reference.table(),
            "schema": "MinimalOptions" in config_schema()["$defs"]}
     for bad in ("distributed.minimal.level=4", "distributed.minimal.levle=2"):
         try:
