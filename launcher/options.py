@@ -23,7 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import annotated_types
 import pydantic
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, Strict, TypeAdapter
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Strict, TypeAdapter, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
 MODEL_CONFIG = ConfigDict(extra="forbid", arbitrary_types_allowed=True)  # frozen: by each dataclass decorator
@@ -183,8 +183,9 @@ def _declared_type(meta: dict, annotation):
         typed = Annotated[Any, BeforeValidator(_schedule_value), _SchemaOf(dict[int, int] | str | int)]
     elif meta.get("choices") is not None:
         typed = Literal[tuple(meta["choices"])]
-        if {"on", "off"} <= set(meta["choices"]):
-            extras.append(BeforeValidator(_on_off))
+        if {"on", "off"} <= set(meta["choices"]):  # editors accept YAML's booleans there too
+            extras += [BeforeValidator(_on_off), WithJsonSchema(
+                {"anyOf": [{"enum": list(meta["choices"]), "type": "string"}, {"type": "boolean"}]})]
     elif base is str:
         typed = Text
     elif meta.get("model") is not None:

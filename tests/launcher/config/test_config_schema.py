@@ -165,6 +165,8 @@ def test_schema_command_prints_what_editors_check_configs_with(tmp_path):
         bad = json.loads(json.dumps(demo))
         bad[section][key] = value
         assert list(validator.iter_errors(bad)), (section, key, value)
+    demo["logging"] = {"tensorboard": False}  # YAML's false: off, for the editor too
+    assert not list(validator.iter_errors(demo))
     del demo["task"]
     assert list(validator.iter_errors(demo))  # a required section
     hashed = schema["$defs"]["OptimizerConfig"]["properties"]["lr"]
