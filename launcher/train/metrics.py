@@ -50,6 +50,24 @@ def planned_micro_batches(window_sizes: Iterable[int], max_steps: int | None) ->
     return total
 
 
+def steps_after_resume(schedule, batches: int, epochs: int, epoch: int, index: int, step: int,
+                       counted_step: int) -> int:
+    """A resumed run's own optimizer-step total: the ``step`` steps it resumed after, plus the windows an epoch- or
+    step-keyed ``schedule`` forms from micro-batch ``index`` of ``epoch`` on (``counted_step``: the step the schedule
+    sees, fp16 overflow steps left out). Planning from epoch 0 replays the resumed schedule over the history instead,
+    which differs from it under checkpoint.force_resume (an `accum-sched cbs` branch): its total fell below the step
+    the run resumed at."""
+    from accum_sched.position import Position
+
+    steps = 0
+    while epoch < epochs:
+        while index < batches:
+            index += min(schedule.factor_for(Position(epoch=epoch, step=counted_step + steps)), batches - index)
+            steps += 1
+        epoch, index = epoch + 1, 0
+    return step + steps
+
+
 def stream_remaining_micro_batches(milestones: Iterable[tuple[int, int]], steps_done: int, max_steps: int) -> int:
     """A stream's micro-batches per rank still to run: the sum of the scheduled factors of the steps left before
     ``run.max_steps``, for factors keyed by step (``((first_step, factor), ...)``, factor 1 before the first key;
