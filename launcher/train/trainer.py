@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import shlex
 import time
 from datetime import timedelta
 
@@ -25,6 +24,7 @@ from launcher.checkpoint.parts import SamplerEpoch
 from launcher.config import Config
 from launcher.errors import ConfigError
 from launcher.train import coordination, streams
+from launcher.train.compile import CompileClock
 from launcher.train.metrics import (
     MetricsWriter,
     Progress,
@@ -34,6 +34,7 @@ from launcher.train.metrics import (
     eta_seconds,
     planned_micro_batches,
     read_jsonl,
+    report_line,
     steps_after_resume,
     stream_remaining_micro_batches,
 )
@@ -299,6 +300,7 @@ class Trainer:
                   f"schedule {self.schedule.to_dict()}" if self.adaptive is None else
                   f"adaptive factor {self.adaptive['min_factor']}..{self.adaptive['max_factor']} (at most "
                   f"that many steps)"), flush=True)
+        self.compile_clock = CompileClock(self.model)  # run.compile: a line before the first step's compilation
 
     def _after_step(self, info) -> None:
         """What follows every optimizer step, on every rank, in this order (the engine's one on_step callback):
@@ -312,7 +314,7 @@ class Trainer:
            finishes (early stop, max_steps) or answers the preemption.
         """
         if self.metrics is not None:
-            speed = self.throughput.add(info)
+            speed = self.throughput.add(info, paused=self.compile_clock.after_step(info.step))
             record = self.metrics.write(info, self.engine.effective_batch, speed)
             if self.trackers is not None:
                 self.trackers.log_step(record if isinstance(record, dict) else info.to_dict())
@@ -489,4 +491,4 @@ class Trainer:
         files = [name for name in ("metrics.jsonl", "summary.json", "model.pt", "eval.jsonl")
                  if os.path.exists(os.path.join(run_dir, name))]
         print(f"accum-sched: outputs in {run_dir}: {', '.join(files)}", flush=True)
-        print(f"accum-sched: see the report: accum-sched report {shlex.quote(run_dir)}", flush=True)
+        print(report_line(run_dir), flush=True)
