@@ -108,3 +108,15 @@ def test_the_lightning_example_runs_as_written_and_leaves_nothing_behind(tmp_pat
     steps = [line for line in done.stdout.splitlines() if line.startswith("optimizer steps:")]
     assert steps and set(steps) == {f"optimizer steps: {6 * 7 + 5 * 4 + 2}"}, done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["example.py"]
+
+
+def test_the_own_loop_excerpts_are_lines_of_the_example_that_runs():
+    """README.md and docs/guide.md show "the heart of" examples/own_loop.py (run by tests/test_examples.py): every
+    line they show is a line of that file, so the excerpt cannot drift from what runs."""
+    example = {line.strip() for line in (ROOT / "examples" / "own_loop.py").read_text().splitlines()}
+    for page in (ROOT / "README.md", ROOT / "docs" / "guide.md"):
+        text = page.read_text()
+        assert "Runnable as `torchrun --nproc-per-node 2 examples/own_loop.py`; the heart of it:" in text, page
+        (code,) = _python_blocks(page)
+        missing = [line for line in code.splitlines() if line.strip() and line.strip() not in example]
+        assert not missing, f"{page.name}: lines not in examples/own_loop.py: {missing}"
