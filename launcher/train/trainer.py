@@ -336,13 +336,14 @@ class Trainer:
         return task.count_fn is not None or task.length_fn is not None or self.schedule.unit == "tokens"
 
     def _resumed_total(self) -> int:
-        """The total progress and the first line show: this run's own steps to its end (at most run.max_steps)
-        counted from where it resumed, for a map-style epoch- or step-keyed schedule; else the planned total.
-        The LR scheduler keeps ``total_steps``."""
+        """The total progress and the first line show: for a resume under checkpoint.force_resume (another
+        schedule, as `accum-sched cbs` branches), this run's own steps to its end (at most run.max_steps) counted
+        from where it resumed, for a map-style epoch- or step-keyed schedule; else the planned total. The LR
+        scheduler keeps ``total_steps``."""
         engine, cfg = self.engine, self.cfg
-        if (engine.optimizer_steps == 0 or self.adaptive is not None or streams.is_stream(self.task.dataset)
-                or self.schedule.unit not in ("epoch", "step")):
-            return self.total_steps
+        if (engine.optimizer_steps == 0 or not self.checkpointer.plan.diffs or self.adaptive is not None
+                or streams.is_stream(self.task.dataset) or self.schedule.unit not in ("epoch", "step")):
+            return self.total_steps  # a resume under the config it was saved with: the planned total is its own
         own = steps_after_resume(self.schedule, self.batches_per_epoch, cfg.run.epochs, engine.epoch_index,
                                  engine.micro_in_epoch, engine.optimizer_steps,
                                  engine.optimizer_steps - engine.overflow_steps)
