@@ -403,7 +403,7 @@ class AccumulationEngine:
                 if next(iterator, _END) is _END:
                     break
         reader = streams.StreamReader(iterator, uneven=self.uneven, context=f"epoch {epoch}",
-                                      read_ahead=self.read_ahead)
+                                      read_ahead=self.read_ahead, first_index=start)
         self.stream_collectives += reader.collectives
         consumed = start if self._win_start is None else self._win_start
         self._win_start = None

@@ -32,9 +32,11 @@ class StreamReader:
     """``next()`` gives ``(batch, last)``, ``last`` True on every rank for the epoch's final micro-batch; None once
     the epoch is over. ``uneven``: 'truncate' (warn once on rank 0, end at the shortest) or 'error' (raise
     :class:`accum_sched.collective.RankDisagreement` on every rank at the first micro-batch some rank lacks).
-    ``read_ahead``: micro-batches read per all-reduce (see the module's doc)."""
+    ``read_ahead``: micro-batches read per all-reduce (see the module's doc). ``first_index``: the epoch's
+    micro-batches before the iterator's first (a resumed epoch), so messages count the epoch's micro-batches."""
 
-    def __init__(self, iterator: Iterator, *, uneven: str = "truncate", context: str = "", read_ahead: int = 1):
+    def __init__(self, iterator: Iterator, *, uneven: str = "truncate", context: str = "", read_ahead: int = 1,
+                 first_index: int = 0):
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 1:
             raise ValueError(f"read_ahead={read_ahead!r} must be an int >= 1")
         self._it = iterator
@@ -49,6 +51,7 @@ class StreamReader:
         self.read = 0  # micro-batches this rank has taken from the iterator
         self.collectives = 0  # asynchronous all-reduces started
         self._index = 0  # of the next micro-batch handed out
+        self._first = first_index
         self._fill(read_ahead + 1)
 
     def _fill(self, count: int) -> None:
@@ -75,7 +78,7 @@ class StreamReader:
         high, low = flags.ranges(slot)
         if high != low:
             message = (f"{self._context}: the ranks' streams end at different points (micro-batch "
-                       f"{self._index + position} of the epoch is on some ranks only)")
+                       f"{self._first + self._index + position} of the epoch is on some ranks only)")
             if self._uneven == "error":
                 raise collective.RankDisagreement(message + "; " + UNEVEN_HINT)
             if not self._warned and collective.rank() == 0:

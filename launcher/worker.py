@@ -22,6 +22,7 @@ from launcher.config import load_config
 from launcher.errors import ConfigError
 from launcher.launch import failures
 from launcher.launch.forward import die_with_parent
+from launcher.train import warning_lines
 from launcher.train.preempt import Preemption
 from launcher.train.trainer import Trainer, detect_launch, init_distributed
 
@@ -37,6 +38,7 @@ def parse_args(argv=None):
 @record
 def main(argv=None) -> int:
     args = parse_args(argv)
+    warning_lines.install()  # the engine's and everyone's warnings on one line, without their source line
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # started by torchrun: never outlive it (launcher/launch/forward.py)
         die_with_parent(signal.SIGKILL, parent=os.getppid())
     # First thing: SLURM's preemption warning may come while the task and model are still being built.

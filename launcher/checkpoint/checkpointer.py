@@ -206,11 +206,9 @@ class Checkpointer:
     def _load_model(self, state: dict, path: str) -> None:
         load_shards(self.parts, path)
         # force_resume under another LR scheduler (accum-sched cbs holds the LR): the saved state is another
-        # scheduler's, so the configured one starts afresh from the optimizer's learning rate
+        # scheduler's, so the configured one starts afresh from the optimizer's learning rate (said in the plan's
+        # one warning line)
         changed = any(field.startswith("lr_scheduler") for field, _, _ in self.plan.diffs)
-        if changed:
-            self.ranks.say("warning: checkpoint.force_resume: the LR scheduler differs from the checkpoint's; it "
-                           "starts afresh at this step", sys.stderr)
         load_model_parts(self.parts, state, lr_scheduler=not changed)
 
     def loader(self, epoch: int, loader):

@@ -43,8 +43,14 @@ class ResumePlan:
         return AccumulationSchedule(scaled_milestones(config_schedule.milestones, self.scale), config_schedule.unit)
 
     def warnings(self) -> list[str]:
-        return [f"warning: checkpoint.force_resume: {field} was {old!r} in the checkpoint, now {new!r}"
-                for field, old, new in self.diffs]
+        """One line for every difference together (a probe of `accum-sched cbs` changes several on purpose)."""
+        if not self.diffs:
+            return []
+        line = "warning: checkpoint.force_resume: " + "; ".join(f"{field} was {old!r} in the checkpoint, now {new!r}"
+                                                                for field, old, new in self.diffs)
+        if any(field.startswith("lr_scheduler") for field, _, _ in self.diffs):  # the checkpointer's load rule
+            line += " (the LR scheduler differs: it starts afresh at this step)"
+        return [line]
 
 
 def plan_resume(cfg, world: int, resume: str | None, *, restarts: int = 0, root: str | None = None,

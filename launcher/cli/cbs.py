@@ -40,7 +40,12 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=None, help="where the branches go (default OUTPUT_DIR/cbs)")
     p.add_argument("--apply", action="store_true", help="write OUT/schedule.yaml for the next run")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
+    p.add_argument("--allow-low-lr", action="store_true",
+                   help="probe a checkpoint whose LR is below a tenth of the run's peak (refused otherwise)")
     p.set_defaults(func=main)
+
+
+LOW_LR = 0.1  # a checkpoint's LR below this fraction of the run's peak: every factor moves the loss by ~nothing
 
 
 def parse_factors(text: str) -> list[int]:
@@ -63,14 +68,25 @@ def checkpoint_position(cfg, path: str):
     if manifest.partial_window:
         raise ConfigError("--from", f"{path} was taken inside a window", "branch from a checkpoint at a step boundary")
     metrics = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(plan.path))), "metrics.jsonl")
-    factor, lr = 1, None
+    factor, lr, peak = 1, None, cfg.optimizer.lr
     if os.path.exists(metrics):
         with open(metrics, encoding="utf-8") as f:
             for line in f:
                 record = json.loads(line)
                 if record.get("step") == manifest.step:
                     factor, lr = int(record["factor"]), record.get("lr")
-    return plan.path, manifest, factor, checkpoint_lr(plan.path, lr, cfg.optimizer.lr)
+                if record.get("lr") is not None:
+                    peak = max(peak, float(record["lr"]))
+    return plan.path, manifest, factor, checkpoint_lr(plan.path, lr, cfg.optimizer.lr), peak
+
+
+def refuse_low_lr(lr: float, peak: float, step: int) -> None:
+    """At a tenth of the peak LR or less the branches barely move and every factor lands within the tolerance,
+    so the largest would be called critical on noise."""
+    if lr < LOW_LR * peak:
+        raise ConfigError("--from", f"the checkpoint's learning rate at step {step} is {lr:.3g}, below a tenth of "
+                          f"the run's peak {peak:.3g}: every factor would reach about the same loss",
+                          "branch from an earlier checkpoint, or pass --allow-low-lr to probe it anyway")
 
 
 def steps_for(samples: int, factor: int, manifest, per_rank: int, micro: int, world: int, epochs: int) -> int:
@@ -149,7 +165,12 @@ def main(args) -> int:
     factors = parse_factors(args.factors)
     if args.samples < 1:
         raise ConfigError("--samples", f"{args.samples} is not >= 1", "give the samples each branch trains on")
-    checkpoint, manifest, factor0, lr = checkpoint_position(cfg, args.checkpoint)
+    checkpoint, manifest, factor0, lr, peak = checkpoint_position(cfg, args.checkpoint)
+    if not args.allow_low_lr:
+        refuse_low_lr(lr, peak, manifest.step)
+    elif lr < LOW_LR * peak:
+        print(f"accum-sched cbs: WARNING: probing at LR {lr:.3g}, below a tenth of the run's peak {peak:.3g} "
+              f"(--allow-low-lr): the factors' losses may differ by noise only", file=sys.stderr, flush=True)
     out = os.path.abspath(args.out or os.path.join(cfg.run.output_dir, "cbs"))
     from launcher import tasks
     from launcher.train.schedule_from import batches_per_rank
@@ -161,7 +182,8 @@ def main(args) -> int:
         steps = steps_for(args.samples, factor, manifest, per_rank, micro, world, cfg.run.epochs)
         run_dir = os.path.join(out, f"factor-{factor}")
         if not os.path.exists(os.path.join(run_dir, "summary.json")):
-            print(f"accum-sched cbs: factor {factor}: {steps} steps from step {manifest.step}", flush=True)
+            print(f"accum-sched cbs: factor {factor}: {steps} steps from step {manifest.step} (steps "
+                  f"{manifest.step + 1}-{manifest.step + steps}, {args.samples} samples) in {run_dir}", flush=True)
             done = subprocess.run(branch_argv(args, cfg, out, factor, factor0, manifest.step, steps, checkpoint,
                                               lr))
             if done.returncode != 0:
@@ -171,13 +193,17 @@ def main(args) -> int:
         results.append({"factor": factor, "steps": steps, "loss": reached_loss(run_dir), "dir": run_dir})
     pick = critical(results, args.tolerance)
     report = {"checkpoint": checkpoint, "step": manifest.step, "factor_at_checkpoint": factor0,
+              "lr_at_checkpoint": lr, "peak_lr": peak,
               "samples": args.samples, "tolerance": args.tolerance, "branches": results, "critical_factor": pick}
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "cbs.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
     _print_table(report)
     _plot(report, os.path.join(out, "cbs.png"))
-    if args.apply:
+    if args.apply and pick == factor0:  # {0: F0, S: F0} would train exactly as the run already does
+        print(f"accum-sched cbs: nothing to apply: the critical factor {pick} is the factor the run has at step "
+              f"{manifest.step}; no schedule.yaml written")
+    elif args.apply:
         path = os.path.join(out, "schedule.yaml")
         with open(path, "w", encoding="utf-8") as f:
             f.write(f"# accum-sched cbs: factor {factor0} up to step {manifest.step}, then the critical factor {pick}\n"
@@ -205,15 +231,27 @@ def _plot(report: dict, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    fig = figure(report, plt)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def figure(report: dict, plt):
+    """Each factor's loss as its gap to the best in percent, next to the tolerance: the question the plot answers.
+    Raw losses 1e-7 apart drew an axis offset (``1e-7 + 1.177e-1``) that made a nothing look large."""
     fig, ax = plt.subplots(figsize=(5, 3.2))
+    best = min(b["loss"] for b in report["branches"])
     xs = [b["factor"] for b in report["branches"]]
-    ax.plot(xs, [b["loss"] for b in report["branches"]], "o-")
+    ax.plot(xs, [100 * (b["loss"] - best) / abs(best) for b in report["branches"]], "o-")
+    ax.axhline(100 * report["tolerance"], color="tab:red", linestyle=":", label=f"tolerance {report['tolerance']:.1%}")
     ax.axvline(report["critical_factor"], color="grey", linestyle="--", label="critical factor")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.ticklabel_format(axis="y", style="plain", useOffset=False)
+    ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))
     ax.set_xlabel("accumulation factor")
-    ax.set_ylabel("loss reached")
+    ax.set_ylabel(f"loss above the best ({best:.4g}), %")
     ax.set_title(f"{report['samples']} samples from step {report['step']}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

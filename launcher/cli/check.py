@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 
 from accum_sched.planning import simulate_windows
@@ -64,10 +65,19 @@ def main(args) -> int:
         raise ConfigError("--batches-per-epoch", f"must be >= 1, got {args.batches_per_epoch}", "give a positive count")
     cfg = load_config(args.config, args.set)
     preflight(cfg)
+    world = (f"task {cfg.task.target}, backend {cfg.distributed.backend}, world {cfg.world_size} "
+             f"({cfg.distributed.nnodes} node(s) x {cfg.distributed.nproc_per_node}), {cfg.run.epochs} epochs")
+    if cfg.accumulation.schedule_from is not None:
+        # the schedule is converted from the LR scheduler's multipliers, which only torch's scheduler gives (and
+        # the dataset's length): no table here rather than the factor-1 placeholder `cfg.schedule` would show
+        print(f"config {args.config}: valid; its schedule is converted at launch (accumulation.schedule_from)")
+        print(world)
+        argv = ["accum-sched", "plan", args.config] + [a for s in args.set for a in ("--set", s)]
+        print(f"to see the converted schedule and its optimizer steps: {shlex.join(argv)}")
+        return 0
     schedule = cfg.schedule
     print(f"config {args.config}: OK")
-    print(f"task {cfg.task.target}, backend {cfg.distributed.backend}, world {cfg.world_size} "
-          f"({cfg.distributed.nnodes} node(s) x {cfg.distributed.nproc_per_node}), {cfg.run.epochs} epochs")
+    print(world)
     epochs_shown = cfg.run.epochs if schedule.unit == "epoch" else None
     print(schedule.table(cfg.data.micro_batch_size, cfg.world_size, epochs=epochs_shown,
                          batches_per_epoch=args.batches_per_epoch))

@@ -218,6 +218,11 @@ def summarize(history: History, summary: dict | None, evals: list[dict] | None =
         return numbers
     for key in ("world_size", "backend", "epochs", "completed_epochs", "wall_seconds"):
         numbers[key] = summary.get(key)
+    earlier = [s[-1] for s in history.sessions[:-1] if s]
+    if numbers["wall_seconds"] is not None and earlier:
+        # summary.json times the session that wrote it; the run's wall time adds what the earlier sessions' kept
+        # lines took (at least that: their steps after the checkpoint were rewound), never below the training time
+        numbers["wall_seconds"] += sum(earlier)
     rounds, total = summary.get("allreduce_rounds"), summary.get("optimizer_steps")
     numbers["allreduce_rounds"] = rounds
     if rounds is not None and total:
@@ -240,6 +245,9 @@ def format_summary(numbers: dict, run_dir: str) -> str:
     epochs = f"{n['epochs_seen']} so far"
     if n["epochs"] is not None:
         epochs = f"{n['completed_epochs'] if n['completed_epochs'] is not None else n['epochs_seen']} of {n['epochs']}"
+        if n["completed_epochs"] is not None and n["epochs_seen"] > n["completed_epochs"]:
+            # stopped inside an epoch (run.max_steps, early stop): the picture shows steps of one more epoch
+            epochs += f" completed; steps in epochs 0-{n['epochs_seen'] - 1}"
     lines = [
         f"run               {run_dir}",
         f"world size        {world}",
@@ -261,6 +269,8 @@ def format_summary(numbers: dict, run_dir: str) -> str:
                      f"{_num(seg.effective_batch, 'd', '?'):>9}  {seg.steps:>15}")
     lines += _format_validation(n)
     wall = "unknown" if n["wall_seconds"] is None else f"{n['wall_seconds']:.1f} s"
+    if n["wall_seconds"] is not None and len(n["resumed_at"]) > 0:
+        wall += f" over {len(n['resumed_at']) + 1} sessions"
     if n["train_seconds"] is not None:
         wall += f" (training {n['train_seconds']:.1f} s, {n['samples_per_s']:.0f} samples/s)"
     lines.append(f"wall time         {wall}")

@@ -68,6 +68,37 @@ def is_compiled(module) -> bool:
     return any(getattr(m, "_accum_sched_compiled", False) for m in module.modules())
 
 
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling so far: Dynamo's compilation records (forward frames, and the
+    backward graphs AOTAutograd compiles lazily at the first backward) with their durations."""
+    import torch._dynamo.utils as dynamo_utils
+
+    return sum((m.duration_us or 0) for m in dynamo_utils.get_compilation_metrics()) / 1e6
+
+
+class CompileClock:
+    """Rank 0's lines about ``run.compile``: one before the first step (the first forward and backward compile,
+    which took 65 s on CPU with nothing printed), then one after each step during which compilation ran, with how
+    long it took. ``seconds`` is the running total, which the ETA's pace leaves out."""
+
+    def __init__(self, model, say=print):
+        self.active, self.say, self.seconds = is_compiled(model), say, 0.0
+        if self.active:
+            self.say("accum-sched: run.compile: the first step compiles the model's forward and backward "
+                     "(torch.compile; nothing is printed until it is done)", flush=True)
+
+    def after_step(self, step: int) -> float:
+        if not self.active:
+            return 0.0
+        total = compile_seconds()
+        if total - self.seconds >= 0.05:  # a compilation ran during this step (a first one, or a new shape's)
+            first = self.seconds == 0.0
+            self.say(f"accum-sched: run.compile: {'compiled' if first else 'recompiled'} in "
+                     f"{total - self.seconds:.1f}s (step {step}; {total:.1f}s in all)", flush=True)
+            self.seconds = total
+        return self.seconds
+
+
 def compile_stats(model) -> dict:
     """summary.json's ``compile_graphs`` and ``compile_recompiles``: Dynamo's totals in this process so far, both
     None when nothing of ``model`` was compiled."""

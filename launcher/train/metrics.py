@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import time
 from collections import deque
@@ -39,6 +40,19 @@ def format_rate(value: float) -> str:
     return f"{value:.3g}"
 
 
+def report_line(run_dir: str, matplotlib: bool | None = None) -> str:
+    """A run's last line: the command that shows its report, and first what to install where the report cannot
+    run (it draws with matplotlib, the `report` extra, which the base install leaves out for training nodes)."""
+    if matplotlib is None:
+        import importlib.util
+
+        matplotlib = importlib.util.find_spec("matplotlib") is not None
+    command = f"accum-sched report {shlex.quote(run_dir)}"
+    if matplotlib:
+        return f"accum-sched: see the report: {command}"
+    return f"accum-sched: see the report: pip install 'accum-sched[report]' (matplotlib), then {command}"
+
+
 def planned_micro_batches(window_sizes: Iterable[int], max_steps: int | None) -> int:
     """Micro-batches per rank of a run whose windows (micro-batches per optimizer step, in order) are
     ``window_sizes``, cut at ``max_steps`` steps: what the ETA counts down, since a step's cost is its factor."""
@@ -48,6 +62,24 @@ def planned_micro_batches(window_sizes: Iterable[int], max_steps: int | None) ->
             break
         total += size
     return total
+
+
+def steps_after_resume(schedule, batches: int, epochs: int, epoch: int, index: int, step: int,
+                       counted_step: int) -> int:
+    """A resumed run's own optimizer-step total: the ``step`` steps it resumed after, plus the windows an epoch- or
+    step-keyed ``schedule`` forms from micro-batch ``index`` of ``epoch`` on (``counted_step``: the step the schedule
+    sees, fp16 overflow steps left out). Planning from epoch 0 replays the resumed schedule over the history instead,
+    which differs from it under checkpoint.force_resume (an `accum-sched cbs` branch): its total fell below the step
+    the run resumed at."""
+    from accum_sched.position import Position
+
+    steps = 0
+    while epoch < epochs:
+        while index < batches:
+            index += min(schedule.factor_for(Position(epoch=epoch, step=counted_step + steps)), batches - index)
+            steps += 1
+        epoch, index = epoch + 1, 0
+    return step + steps
 
 
 def stream_remaining_micro_batches(milestones: Iterable[tuple[int, int]], steps_done: int, max_steps: int) -> int:
@@ -80,19 +112,22 @@ class Throughput:
         self.tokens, self.elapsed_before, self.clock = tokens, elapsed_before, clock
         self.began = clock()
         # (time, samples, tokens, micro-batches) of the last `window` steps, after the mark the window starts at
-        self._marks: deque = deque([(self.began, 0, 0, 0)], maxlen=max(1, window) + 1)
+        self._marks: deque = deque([(self.began, 0, 0, 0, 0.0)], maxlen=max(1, window) + 1)
 
-    def add(self, info, now: float | None = None) -> dict:
-        """Count one optimizer step; the speed fields of its metrics line plus ``seconds_per_micro_batch``."""
+    def add(self, info, now: float | None = None, paused: float = 0.0) -> dict:
+        """Count one optimizer step; the speed fields of its metrics line plus ``seconds_per_micro_batch``.
+        ``paused``: seconds so far that were no training (run.compile's compilations, a running total): the
+        pace per micro-batch, which the ETA multiplies by what is left, leaves them out; the rates keep them."""
         now = self.clock() if now is None else now
-        self._marks.append((now, info.samples, info.elements if self.tokens else 0, info.micro_batches))
+        self._marks.append((now, info.samples, info.elements if self.tokens else 0, info.micro_batches, paused))
         steps = list(self._marks)[1:]
         seconds = max(now - self._marks[0][0], 1e-9)  # one clock tick: never a division by zero
+        training = max(seconds - (paused - self._marks[0][4]), 1e-9)
         micro = sum(m[3] for m in steps)
         return {"samples_per_s": round(sum(m[1] for m in steps) / seconds, 3),
                 "tokens_per_s": round(sum(m[2] for m in steps) / seconds, 3) if self.tokens else None,
                 "elapsed_s": round(self.elapsed_before + now - self.began, 4),
-                "seconds_per_micro_batch": seconds / micro if micro else None}
+                "seconds_per_micro_batch": training / micro if micro else None}
 
     def elapsed(self) -> float:
         return self.elapsed_before + self.clock() - self.began

@@ -150,8 +150,13 @@ def make_loader(dataset, *, batch_size: int, drop_last: bool, num_workers: int, 
                               "pip install 'accum-sched[streams]', or set data.num_workers: 0") from None
         return _PlainLoader(dataset, batch_size, drop_last, collate_fn)
     extra = {"snapshot_every_n_steps": 1} if num_workers > 0 else {}  # every batch carries its workers' states
-    return StatefulDataLoader(dataset, batch_size=batch_size, drop_last=drop_last, num_workers=num_workers,
-                              collate_fn=collate_fn, pin_memory=pin_memory, **extra)
+    with warnings.catch_warnings():
+        # torchdata's constructor calls torch.set_vital, a deprecated no-op in torch 2.13: that one warning, from
+        # torchdata only, says nothing a user can act on (every other warning still shows)
+        warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated", category=UserWarning,
+                                module=r"torchdata\.")
+        return StatefulDataLoader(dataset, batch_size=batch_size, drop_last=drop_last, num_workers=num_workers,
+                                  collate_fn=collate_fn, pin_memory=pin_memory, **extra)
 
 
 class StreamEpoch:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import shlex
 import time
 from datetime import timedelta
 
@@ -25,6 +24,7 @@ from launcher.checkpoint.parts import SamplerEpoch
 from launcher.config import Config
 from launcher.errors import ConfigError
 from launcher.train import coordination, streams
+from launcher.train.compile import CompileClock
 from launcher.train.metrics import (
     MetricsWriter,
     Progress,
@@ -34,6 +34,8 @@ from launcher.train.metrics import (
     eta_seconds,
     planned_micro_batches,
     read_jsonl,
+    report_line,
+    steps_after_resume,
     stream_remaining_micro_batches,
 )
 from launcher.train.optim import build_lr_scheduler, build_optimizer
@@ -161,6 +163,8 @@ class Trainer:
         seed_everything(cfg.run.seed)  # identical initial weights on every rank
         self.task = tasks.build(cfg.task.target, cfg.task.args)
         self.sampler, self.loader = self._make_loader()
+        # before a resume starts the loader mid-epoch (ResumeSampler's length is then what is left of the epoch)
+        self.batches_per_epoch = None if streams.is_stream(self.task.dataset) else len(self.loader)
         # finds the checkpoint to resume (rank 0 reads, all agree); its world size may rescale the schedule
         self.checkpointer = Checkpointer(cfg, self.rank, self.world, resume, device)
         self.converted = self._schedule_from()  # accumulation.schedule_from: the schedule and LR per step
@@ -280,7 +284,8 @@ class Trainer:
         cfg = self.cfg
         os.makedirs(self.run_dir, exist_ok=True)
         self.metrics = MetricsWriter(self.run_dir, cfg.logging.tensorboard, self.start)
-        self.progress = Progress(cfg.logging.progress, cfg.run.epochs, self.total_steps, cfg.logging.log_every)
+        self.shown_total = self._resumed_total()
+        self.progress = Progress(cfg.logging.progress, cfg.run.epochs, self.shown_total, cfg.logging.log_every)
         # throughput over the last log_every steps; elapsed_s goes on from a resumed run's last kept line
         self.throughput = Throughput(cfg.logging.log_every, self._counts_tokens(), self.metrics.elapsed_before)
         self.planned_micro_batches = self._planned_micro_batches()
@@ -288,13 +293,14 @@ class Trainer:
 
         self.trackers = trackers.start(cfg, self.run_dir, resumed=self.resume is not None)
         per_epoch = "a stream of" if streams.is_stream(self.task.dataset) else len(self.loader)
-        steps = self.total_steps or "unplanned"
+        steps = self.shown_total or "unplanned"
         print(f"accum-sched: world {self.world}, {per_epoch} micro-batches of "
               f"{cfg.data.micro_batch_size} per rank per epoch, {cfg.run.epochs} epochs, "
               f"{steps} optimizer steps, " + (
                   f"schedule {self.schedule.to_dict()}" if self.adaptive is None else
                   f"adaptive factor {self.adaptive['min_factor']}..{self.adaptive['max_factor']} (at most "
                   f"that many steps)"), flush=True)
+        self.compile_clock = CompileClock(self.model)  # run.compile: a line before the first step's compilation
 
     def _after_step(self, info) -> None:
         """What follows every optimizer step, on every rank, in this order (the engine's one on_step callback):
@@ -308,7 +314,7 @@ class Trainer:
            finishes (early stop, max_steps) or answers the preemption.
         """
         if self.metrics is not None:
-            speed = self.throughput.add(info)
+            speed = self.throughput.add(info, paused=self.compile_clock.after_step(info.step))
             record = self.metrics.write(info, self.engine.effective_batch, speed)
             if self.trackers is not None:
                 self.trackers.log_step(record if isinstance(record, dict) else info.to_dict())
@@ -328,6 +334,20 @@ class Trainer:
         else (builtin:regression: one element per sample) reports tokens_per_s null."""
         task = self.task
         return task.count_fn is not None or task.length_fn is not None or self.schedule.unit == "tokens"
+
+    def _resumed_total(self) -> int:
+        """The total progress and the first line show: for a resume under checkpoint.force_resume (another
+        schedule, as `accum-sched cbs` branches), this run's own steps to its end (at most run.max_steps) counted
+        from where it resumed, for a map-style epoch- or step-keyed schedule; else the planned total. The LR
+        scheduler keeps ``total_steps``."""
+        engine, cfg = self.engine, self.cfg
+        if (engine.optimizer_steps == 0 or not self.checkpointer.plan.diffs or self.adaptive is not None
+                or streams.is_stream(self.task.dataset) or self.schedule.unit not in ("epoch", "step")):
+            return self.total_steps  # a resume under the config it was saved with: the planned total is its own
+        own = steps_after_resume(self.schedule, self.batches_per_epoch, cfg.run.epochs, engine.epoch_index,
+                                 engine.micro_in_epoch, engine.optimizer_steps,
+                                 engine.optimizer_steps - engine.overflow_steps)
+        return own if cfg.run.max_steps is None else min(own, cfg.run.max_steps)
 
     def _planned_micro_batches(self) -> int | None:
         """Micro-batches per rank of the whole run, the ETA's total; None where not known ahead (a stream, whose
@@ -472,4 +492,4 @@ class Trainer:
         files = [name for name in ("metrics.jsonl", "summary.json", "model.pt", "eval.jsonl")
                  if os.path.exists(os.path.join(run_dir, name))]
         print(f"accum-sched: outputs in {run_dir}: {', '.join(files)}", flush=True)
-        print(f"accum-sched: see the report: accum-sched report {shlex.quote(run_dir)}", flush=True)
+        print(report_line(run_dir), flush=True)

@@ -190,6 +190,36 @@ def test_uneven_streams_raise_on_every_rank_under_uneven_error(tmp_path):
         assert "uneven='truncate'" in message, message  # the fix is named
 
 
+def _uneven_after_resume(rank: int, world: int, out_dir: str) -> None:
+    """Stop after step 1 of epoch 0 (3 micro-batches at factor 3), then a new engine resumes it from a stream that
+    starts at the resume point (skip=False, as the launcher's loaders do)."""
+    def run():
+        model, engine = _engine(UNEVEN, world, uneven="error", stop_at="micro_batch")
+        engine.on_step(lambda info: engine.request_stop() if info.step == 1 else None)
+        _train(UNEVEN, rank, world, engine)
+        state = {"engine": engine.state_dict(), "model": model.state_dict(),
+                 "optimizer": engine.backend.optimizer.state_dict()}
+        model, engine = _engine(UNEVEN, world, uneven="error")
+        model.load_state_dict(state["model"])
+        engine.backend.optimizer.load_state_dict(state["optimizer"])
+        engine.load_state_dict(state["engine"])
+        rest = iter(cases.rank_batches(UNEVEN, rank, 0)[engine.micro_in_epoch:])
+        engine.train_epoch((batch for batch in rest), cases.loss_fn_for(UNEVEN.kind), 0, skip=False)
+
+    torch.save(attempt(run), os.path.join(out_dir, f"resumed-{rank}.pt"))
+
+
+def test_the_uneven_message_counts_the_epochs_micro_batches_after_a_resume(tmp_path):
+    """Issue 37.12: epoch 0's streams hold 10, 8 and 10 micro-batches; resumed after 3 of them, the message names
+    micro-batch 8 of the epoch (the first some rank lacks), not 5 counted from the resume point."""
+    spawn(_uneven_after_resume, 3, str(tmp_path), deadline_s=120)
+    for rank in range(3):
+        result = torch.load(os.path.join(tmp_path, f"resumed-{rank}.pt"))
+        assert result["error"] is not None, rank
+        kind, message = result["error"]
+        assert kind == "RankDisagreement" and "(micro-batch 8 of the epoch is on some ranks only)" in message, message
+
+
 def test_truncation_warns_once_on_rank_zero():
     """One process: nothing to disagree with, so no warning and no collective; the stream's end is its own."""
     _, engine = _engine(UNEVEN, 1)

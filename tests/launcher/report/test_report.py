@@ -143,8 +143,16 @@ def test_resumed_rerun_and_torn_metrics(run_dir, tmp_path):
     assert numbers["samples"] == summary["samples"] and numbers["skipped"] == summary["skipped_steps"]
     first_session, second_session = json.loads(lines[8])["wall_time"], json.loads(resumed[-1])["wall_time"]
     assert numbers["train_seconds"] == pytest.approx(first_session + second_session)
+    # the run's wall time: summary.json's session and the earlier one, never below the training time (issue 37.12)
+    assert numbers["wall_seconds"] == pytest.approx(summary["wall_seconds"] + first_session)
+    assert numbers["wall_seconds"] >= numbers["train_seconds"]
     text = report.format_summary(numbers, run_dir)
     assert field(text, "resumed at step") == "5"
+    assert field(text, "wall time").startswith(f"{numbers['wall_seconds']:.1f} s over 2 sessions (training ")
+    # stopped inside epoch 2 (run.max_steps, an early stop): the line names the epochs its steps are in, as the
+    # picture does, next to the completed ones
+    inside = report.format_summary(report.summarize(history, dict(summary, completed_epochs=2)), run_dir)
+    assert field(inside, "epochs") == f"2 of {summary['epochs']} completed; steps in epochs 0-2"
     png = str(tmp_path / "resumed.png")
     report.render(history, numbers, png, report.title(numbers, run_dir))
     assert png_size(png) == (1300, 850)

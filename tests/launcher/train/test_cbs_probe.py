@@ -112,3 +112,49 @@ def test_branches_hold_the_checkpoints_learning_rate_under_a_decaying_schedule(t
     for factor in (1, 2):
         branch = lines(tmp_path / "cos" / "cbs" / f"factor-{factor}")
         assert branch and all(m["lr"] == pytest.approx(held, rel=1e-12) for m in branch), (factor, branch[0]["lr"])
+
+
+@pytest.mark.slow
+def test_a_branch_shows_its_own_totals_one_warning_and_applies_no_unchanged_schedule(tmp_path):
+    """Issue 37.9, from a checkpoint at factor 2 after 16 steps at factor 1 (step 24, end of epoch 1): the branch's
+    first line and progress count to its own last step (24 + 2), not to the 24 its schedule {0: 2, 24: 2} would
+    take from epoch 0; the force_resume differences are one warning; --apply of the factor the run already has writes
+    nothing; a checkpoint at the cosine's end (LR 0) is refused before any branch starts."""
+    cfg = tmp_path / "grow.yaml"
+    cfg.write_text(CONFIG.format(out=tmp_path / "grow").replace("{0: 1}}", "{0: 1, 1: 2}}").replace(
+        "distributed:", "lr_scheduler: {name: cosine}\ndistributed:"))
+    accum("run", str(cfg))
+    checkpoints = tmp_path / "grow" / "checkpoints"
+    probe = accum("cbs", str(cfg), "--from", str(checkpoints / "step-00000024"), "--factors", "2", "--samples", "64",
+                  "--apply")
+    assert "2 steps from step 24 (steps 25-26, 64 samples)" in probe.stdout, probe.stdout
+    assert "26 optimizer steps, schedule" in probe.stdout and "step 26/26 " in probe.stdout, probe.stdout
+    said = (probe.stdout + probe.stderr).splitlines()
+    assert len([line for line in said if "checkpoint.force_resume" in line]) == 1, probe.stderr
+    assert "nothing to apply" in probe.stdout
+    assert not (tmp_path / "grow" / "cbs" / "schedule.yaml").exists()
+    assert len(lines(tmp_path / "grow" / "cbs" / "factor-2")) == 2
+    low = accum("cbs", str(cfg), "--from", str(checkpoints / "step-00000032"), "--factors", "1,2", "--samples", "8",
+                "--out", str(tmp_path / "low"), expect=2)
+    assert low.stderr.startswith("error: --from:") and "--allow-low-lr" in low.stderr, low.stderr
+    assert len(low.stderr.strip().splitlines()) == 1 and not (tmp_path / "low").exists()
+
+
+def test_the_plot_has_no_axis_offset_for_tiny_differences():
+    """Losses 1e-7 apart: the plot shows each factor's gap to the best in percent with plain tick labels, not
+    an offset such as ``1e-7 + 1.177e-1`` that makes a nothing look large (issue 37.9)."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from launcher.cli import cbs
+
+    report = {"samples": 128, "step": 432, "tolerance": 0.01, "critical_factor": 8,
+              "branches": [{"factor": f, "loss": 0.1177 + d} for f, d in ((1, 0.0), (2, 1e-7), (4, 2e-7), (8, 1e-7))]}
+    fig = cbs.figure(report, plt)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    assert ax.yaxis.get_major_formatter().get_offset() == ""
+    assert max(ax.get_lines()[0].get_ydata()) == pytest.approx(100 * 2e-7 / 0.1177)
+    assert ax.get_ylim()[1] >= 1.0  # the 1% tolerance is on the axis, so the gaps read as the nothing they are
+    plt.close(fig)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -60,8 +61,9 @@ def runs(tmp_path_factory):
     for backend in DISTRIBUTED:
         for compiled in (True, False):
             name = f"{backend}-{'compiled' if compiled else 'eager'}"
-            accum("run", write(tmp, name, backend, "true" if compiled else "false"))
+            said = accum("run", write(tmp, name, backend, "true" if compiled else "false")).stdout
             out[name] = outputs(os.path.join(tmp, name))
+            out[f"{name} stdout"] = said
     accum("run", write(tmp, "constant", "single", "{mode: default, dynamic: null}", schedule="4"))
     out["constant"] = outputs(os.path.join(tmp, "constant"))
     return out
@@ -103,6 +105,18 @@ def test_schedule_changes_cost_no_recompilation(runs):
     assert constant["final_factor"] == 4 and changing["final_factor"] == 4
     assert (changing["compile_graphs"], changing["compile_recompiles"]) == (
         constant["compile_graphs"], constant["compile_recompiles"]) == (2, 1)
+
+
+@pytest.mark.parametrize("backend", tuple(DISTRIBUTED))
+def test_compilation_is_announced_and_timed(runs, backend):
+    """Issue 37.10: a line before the first step's compilation and one after it with its seconds, in that order
+    and before the first progress line; nothing of it for an eager run."""
+    said = runs[f"{backend}-compiled stdout"].splitlines()
+    start = [i for i, line in enumerate(said) if "run.compile: the first step compiles" in line]
+    done = [i for i, line in enumerate(said) if re.search(r"run\.compile: compiled in \d+\.\ds \(step 1;", line)]
+    first_progress = min(i for i, line in enumerate(said) if re.search(r"step \d+/", line))
+    assert len(start) == 1 and len(done) == 1 and start[0] < done[0] < first_progress, said
+    assert "run.compile" not in runs[f"{backend}-eager stdout"]
 
 
 def test_deepspeed_refuses_compile_before_launch(tmp_path):

@@ -99,6 +99,18 @@ def test_throughput_is_over_the_last_log_every_steps():
     assert samples_only.add(window(1, 8, 8, 1), now=2.0)["tokens_per_s"] is None
 
 
+def test_the_etas_pace_leaves_compilation_out():
+    """run.compile (issue 37.10): 60 s of the first step were compilation; the pace per micro-batch the ETA
+    multiplies is of the training seconds only, while the rates stay of the wall-clock."""
+    speed = Throughput(window=2, tokens=False, clock=lambda: 0.0)
+    first = speed.add(window(1, 8, 8, 2), now=62.0, paused=60.0)  # 2 micro-batches in 2 s of training
+    assert first["seconds_per_micro_batch"] == pytest.approx(1.0) and first["samples_per_s"] == round(8 / 62, 3)
+    second = speed.add(window(2, 8, 8, 2), now=64.0, paused=60.0)
+    assert second["seconds_per_micro_batch"] == pytest.approx(1.0)
+    third = speed.add(window(3, 8, 8, 2), now=69.0, paused=63.0)  # a 3 s recompilation inside the last step
+    assert third["seconds_per_micro_batch"] == pytest.approx((7 - 3) / 4)
+
+
 def test_progress_lines_show_throughput_elapsed_and_eta():
     out = io.StringIO()
     plain = Progress("plain", epochs=1, total_steps=2, log_every=1, stream=out)
@@ -132,3 +144,14 @@ def test_epoch_seconds_from_the_elapsed_time_of_each_epochs_last_step():
     records = [{"epoch": 0, "elapsed_s": 1.0}, {"epoch": 0, "elapsed_s": 2.5}, {"epoch": 1, "elapsed_s": 6.0},
                {"epoch": 2, "elapsed_s": 7.0}]
     assert epoch_seconds(records, completed_epochs=2) == [2.5, 3.5]  # epoch 2 is not complete
+
+
+def test_the_last_line_says_what_the_report_needs():
+    """Issue 37.11: the README's base install has no matplotlib, which `accum-sched report` draws with: the run's
+    last line names the extra to install first instead of a command that fails there."""
+    from launcher.train.metrics import report_line
+
+    assert report_line("/r/demo", matplotlib=True) == "accum-sched: see the report: accum-sched report /r/demo"
+    missing = report_line("/r/my run", matplotlib=False)
+    assert missing == ("accum-sched: see the report: pip install 'accum-sched[report]' (matplotlib), then "
+                       "accum-sched report '/r/my run'")

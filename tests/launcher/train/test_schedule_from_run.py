@@ -102,3 +102,21 @@ def test_bad_schedule_from_stops_before_launch(tmp_path, spec, extra, field):
     proc = accum("check", str(path), expect=2)
     assert proc.stderr.startswith(f"error: {field}:"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_check_points_to_plan_instead_of_a_placeholder_table(tmp_path):
+    """`check` cannot convert without torch (the LR scheduler gives the multipliers): it says so and names `plan`
+    instead of printing factor 1 for every epoch and "OK" on that table (issue 37.8). Torch stays unimported."""
+    path = tmp_path / "from.yaml"
+    path.write_text(CONFIG.format(out=tmp_path / "from", spec="{rule: smith}", unit="epoch", sched=STEP_DECAY))
+    probe = ("import sys\nfrom launcher.cli import main\nrc = main(sys.argv[1:])\n"
+             "assert not [m for m in sys.modules if m.split('.')[0] == 'torch'], 'check imported torch'\n"
+             "sys.exit(rc)")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + TESTS
+    proc = subprocess.run([sys.executable, "-c", probe, "check", str(path), "--batches-per-epoch", "16",
+                           "--set", "run.epochs=3"], cwd=TESTS, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK" not in proc.stdout and "factor" not in proc.stdout, proc.stdout  # no table of guessed factors
+    assert "total optimizer steps" not in proc.stdout, proc.stdout
+    assert f"accum-sched plan {path} --set run.epochs=3" in proc.stdout, proc.stdout
