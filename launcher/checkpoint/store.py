@@ -394,12 +394,13 @@ REWOUND = "metrics.rewound.jsonl"  # lines a resume (or a fresh start) cut from 
 @dataclass(frozen=True)
 class MetricsRewind:
     """What :func:`rewind_metrics` did to metrics.jsonl: lines kept, lines moved to :data:`REWOUND`, whether one of
-    them was torn (not JSON: a worker stopped mid-write), and the last step kept (0: none)."""
+    them was torn (not JSON: a worker stopped mid-write), the last step kept (0: none), whether there was a file."""
 
     kept: int = 0
     aside: int = 0
     torn: bool = False
     last_step: int = 0
+    existed: bool = False  # none: a resume into another directory (accum-sched cbs's branches), nothing to miss
 
     def notes(self, run_dir: str, step: int) -> list[str]:
         """Warnings for the log: lines set aside, a torn line, and steps before ``step`` that have no line."""
@@ -411,7 +412,7 @@ class MetricsRewind:
         if self.aside - self.torn:
             out.append(f"metrics.jsonl: {self.aside - self.torn} line(s) after step {step} (a future this resume "
                        f"rewinds) moved to {aside}")
-        if self.last_step < step:
+        if self.existed and self.last_step < step:
             missing = f"{self.last_step + 1}-{step}" if step > self.last_step + 1 else f"{step}"
             out.append(f"warning: metrics.jsonl has no line for step(s) {missing}, trained before this checkpoint "
                        "(lost with a torn or deleted file): they stay missing; `accum-sched report` names the gap")
@@ -452,7 +453,7 @@ def rewind_metrics(run_dir: str, step: int) -> MetricsRewind:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return MetricsRewind(len(kept), len(aside), torn, last)
+    return MetricsRewind(len(kept), len(aside), torn, last, existed=True)
 
 
 def truncate_metrics(run_dir: str, step: int) -> int:
