@@ -6,25 +6,32 @@ metrics.jsonl and summary.json.
 """
 from __future__ import annotations
 
-import argparse
-import gc
-import logging
 import os
-import signal
-import sys
-import warnings
 
-import torch.distributed as dist
+from launcher.launch.forward import guard_worker
+
+if __name__ == "__main__" and os.environ.get("TORCHELASTIC_RUN_ID"):
+    # started by torchrun: never outlive it, not even while torch is imported below (seconds); a torchrun already
+    # gone ends this process here (launcher/launch/forward.py: guard_worker)
+    guard_worker()
+
+import argparse  # noqa: E402 -- after the guard: nothing slow may come before it
+import gc  # noqa: E402
+import logging  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+
+import torch.distributed as dist  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from launcher.checkpoint.pickle_scan import UnsafePickle
-from launcher.config import load_config
-from launcher.errors import ConfigError
-from launcher.launch import failures
-from launcher.launch.forward import die_with_parent
-from launcher.train import warning_lines
-from launcher.train.preempt import Preemption
-from launcher.train.trainer import Trainer, detect_launch, init_distributed
+from launcher.checkpoint.pickle_scan import UnsafePickle  # noqa: E402
+from launcher.config import load_config  # noqa: E402
+from launcher.errors import ConfigError  # noqa: E402
+from launcher.launch import failures  # noqa: E402
+from launcher.train import warning_lines  # noqa: E402
+from launcher.train.preempt import Preemption  # noqa: E402
+from launcher.train.trainer import Trainer, detect_launch, init_distributed  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -39,10 +46,9 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     warning_lines.install()  # the engine's and everyone's warnings on one line, without their source line
-    if os.environ.get("TORCHELASTIC_RUN_ID"):  # started by torchrun: never outlive it (launcher/launch/forward.py)
-        die_with_parent(signal.SIGKILL, parent=os.getppid())
-    # First thing: SLURM's preemption warning may come while the task and model are still being built.
-    preemption = Preemption.install(also=(signal.SIGTERM,))
+    # First thing: SLURM's preemption warning may come while the task and model are still being built. SIGINT
+    # (Ctrl-C, forwarded by `accum-sched run`) is a stop like SIGTERM: commit the open window, exit 0.
+    preemption = Preemption.install(also=(signal.SIGTERM, signal.SIGINT))
     cfg = load_config(args.config)
     device = join(cfg)
     try:
@@ -50,8 +56,10 @@ def main(argv=None) -> int:
         preemption.attach(trainer.engine.request_stop)
         trainer.fit()
     except ConfigError as err:  # bad input found once the task and its classes are imported: one line, exit 2
-        failures.note(cfg.run.output_dir, int(os.environ.get("RANK", "0")), err, shown=True)
-        print(f"error: {err.line()}", file=sys.stderr, flush=True)
+        rank = int(os.environ.get("RANK", "0"))
+        failures.note(cfg.run.output_dir, rank, err, shown=True)
+        if rank == 0 or not getattr(err, "every_rank", False):  # an error every rank finds: said once
+            print(f"error: {err.line()}", file=sys.stderr, flush=True)
         return 2
     except UnsafePickle as err:  # a checkpoint file that would import code (launcher/checkpoint/pickle_scan.py)
         failures.note(cfg.run.output_dir, int(os.environ.get("RANK", "0")), err, shown=True)  # the others may not

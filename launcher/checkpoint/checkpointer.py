@@ -45,9 +45,10 @@ from launcher.checkpoint.parts import (
     save_parts,
     save_shards,
 )
-from launcher.checkpoint.pickle_scan import UnsafePickle
+from launcher.checkpoint.pickle_scan import UnsafePickle, check_state_file, refusal
 from launcher.checkpoint.resume import ResumePlan, plan_resume
 from launcher.checkpoint.rng import RankRng, rng_state, seed_rank, set_rng_state
+from launcher.errors import ConfigError
 from launcher.train import coordination
 
 # names tests and benchmarks import from here
@@ -79,9 +80,11 @@ class Checkpointer:
         restarts = sum(int(os.environ.get(name, "0") or 0)
                        for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
         report = lambda problem: self.ranks.say(problem, sys.stderr)
-        plan = lambda: plan_resume(cfg, world, resume, restarts=restarts, root=self.root, report=report)
+        self._replan = lambda exclude=(): plan_resume(cfg, world, resume, restarts=restarts, root=self.root,
+                                                      report=report, exclude=exclude)
+        self._auto = resume == "auto" or restarts > 0  # may fall back past a checkpoint that fails to load
         # a fresh start reads no disk: every rank plans it alone, without a collective
-        self.plan: ResumePlan = plan() if resume is None and restarts == 0 else self._on_rank0(plan)
+        self.plan: ResumePlan = self._replan() if resume is None and restarts == 0 else self._on_rank0(self._replan)
         for note in self.plan.notes:
             self.ranks.say(note)
         if self.plan.path is not None:
@@ -105,16 +108,66 @@ class Checkpointer:
     # -- resume -------------------------------------------------------------------------------------------------
     def restore(self, parts: dict, loader) -> int:
         """Take the trainer's stateful ``parts`` (launcher/checkpoint/parts.py) and its epoch ``loader``, and load
-        the checkpoint planned at construction into them, if any. Returns its step (0 if none). Rank 0 also cuts
-        metrics.jsonl back to that step and sets newer checkpoints aside."""
+        the checkpoint planned at construction into them, if any. Returns its step (0 if none). Only once every
+        rank has loaded it does rank 0 cut metrics.jsonl back to that step and set newer checkpoints aside: a
+        checkpoint that fails to load on any rank leaves the run directory as it was. ``--resume auto`` (and a
+        restart) then falls back to the newest checkpoint that loads, saying which one it skipped."""
         self.parts, self._loader = check_parts(parts), loader
         run_dir = self.cfg.run.output_dir
-        path, manifest = self.plan.path, self.plan.manifest
-        if path is None:
+        if self.plan.path is None:
             self._start_afresh(run_dir)
             return 0
         for warning in self.plan.warnings():
             self.ranks.say(warning, sys.stderr)
+        failed: list[str] = []
+        while True:
+            step, error = self._load_on_every_rank(self.plan.path, self.plan.manifest)
+            if error is None:
+                break
+            if not self._auto or isinstance(error, ConfigError):
+                raise error
+            failed.append(self.plan.path)
+            self.ranks.say(f"--resume auto: skipping checkpoint {self.plan.path}: it failed to load ({error}); "
+                           "trying the newest one before it", sys.stderr)
+            try:
+                plan = self._on_rank0(lambda: self._replan(tuple(failed)))
+            except CheckpointError:  # no other checkpoint: the load's own error says more
+                raise error from None
+            if plan.path is None or plan.scale != self.plan.scale:
+                raise error
+            self.plan = plan
+            self._together(f"resuming from {plan.path}", lambda: must_see(plan.path, store.MANIFEST))
+        path, manifest = self.plan.path, self.plan.manifest
+        if self.rank == 0:
+            self._tidy_after_resume(run_dir, path, step)
+            self.ranks.say(f"resumed from {path} (step {step}, {self._where(manifest)}; saved by "
+                           f"{manifest.world_size} workers)")
+        self.ranks.barrier()
+        return step
+
+    def _load_on_every_rank(self, path: str, manifest: Manifest) -> tuple[int | None, Exception | None]:
+        """Load checkpoint ``path`` on this rank and agree on the outcome: ``(step, None)`` where every rank loaded
+        it, else ``(None, error)``: this rank's own error, or the first failing rank's (a planted pickle read by
+        that rank only stays the one-line UnsafePickle on every rank)."""
+        try:
+            step, mine = self._load_from(path, manifest), None
+        except Exception as exc:  # noqa: BLE001 -- every rank must hear of it before anyone moves a file
+            step, mine = None, exc
+        line = None if mine is None else (f"rank {self.rank}: {type(mine).__name__}: "
+                                          f"{(str(mine).splitlines() or [''])[0]}", type(mine).__name__, str(mine))
+        outcomes = self.ranks.gather(line, "loading the checkpoint")
+        errors = [o for o in outcomes if o is not None]
+        if not errors:
+            return step, None
+        if mine is not None:
+            return None, mine
+        text, kind, message = errors[0]
+        if kind == "UnsafePickle":
+            return None, UnsafePickle(message)
+        return None, CheckpointError(text)
+
+    def _load_from(self, path: str, manifest: Manifest) -> int:
+        """This rank's part of the resume from ``path``: every state file into its part. Returns the step."""
         state = self._load(os.path.join(path, store.STATE))
         self._load_model(state, path)
         engine_state = self._resume_position(dict(state["engine"]), state.get("epoch_order"), manifest)
@@ -128,11 +181,6 @@ class Checkpointer:
         self.rng.plan(state["rng"], self._mid_epoch(engine_state, manifest), int(engine_state["epoch"]), step)
         self._last_saved = store.step_dir(self.root, step, engine_state["micro_batch"]
                                           if manifest.partial_window else None)
-        if self.rank == 0:
-            self._tidy_after_resume(run_dir, path, step)
-            self.ranks.say(f"resumed from {path} (step {step}, {self._where(manifest)}; saved by "
-                           f"{manifest.world_size} workers)")
-        self.ranks.barrier()
         return step
 
     def _start_afresh(self, run_dir: str) -> None:
@@ -144,7 +192,10 @@ class Checkpointer:
             aside, old = moved
             self.ranks.say(f"starting afresh: moved {len(old)} checkpoint(s) of an earlier run to {aside} "
                            f"(run with --resume to continue a run; delete that folder when not needed)", sys.stderr)
-        store.truncate_metrics(run_dir, 0)
+        rewind = store.rewind_metrics(run_dir, 0)  # an earlier run's lines: kept aside, not deleted
+        if rewind.aside:
+            self.ranks.say(f"starting afresh: moved the {rewind.aside} line(s) of metrics.jsonl to "
+                           f"{os.path.join(run_dir, store.REWOUND)}", sys.stderr)
 
     def _resume_position(self, engine_state: dict, order, manifest: Manifest) -> dict:
         """The engine position to continue from (data_position.resume_position; sets the re-dealt self._order)."""
@@ -177,7 +228,8 @@ class Checkpointer:
         for _, p in store.list_checkpoints(self.root):
             if store.checkpoint_key(p) > mine:
                 self.ranks.say(f"set aside {p} -> {store.set_aside(p)}", sys.stderr)
-        store.truncate_metrics(run_dir, step)
+        for note in store.rewind_metrics(run_dir, step).notes(run_dir, step):  # nothing of it silently missing
+            self.ranks.say(note, sys.stderr)
 
     def _where(self, manifest: Manifest) -> str:
         engine = self.engine
@@ -190,6 +242,7 @@ class Checkpointer:
         # Only what we wrote ourselves is loaded here, with weights_only (tensors and plain values); DeepSpeed's
         # own shards are loaded by DeepSpeed's load_checkpoint (parts.load_shards), without weights_only: their
         # pickles are checked against an allow-list first (launcher/checkpoint/pickle_scan.py).
+        check_state_file(path)  # a planted, legacy-format or raw pickle: the one line of every load path
         try:
             # mmap: tensors stay file-backed pages (shared through the page cache by the ranks of a node) until
             # load_state_dict copies them into place, instead of one private copy of the whole file per rank
@@ -199,17 +252,38 @@ class Checkpointer:
             imported = re.search(r"GLOBAL ([\w.]+)", str(exc))
             what = (f"it would import {imported.group(1)}, refused by weights_only" if imported else
                     f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
-            error = UnsafePickle if imported else CheckpointError  # UnsafePickle: one line from the worker
-            raise error(f"{path}: cannot be loaded ({what}); nothing of it was run: resume from an earlier "
-                        "checkpoint (--resume PATH), or start afresh without --resume") from exc
+            if imported:  # UnsafePickle: one line from the worker
+                raise refusal(path, what) from exc
+            raise CheckpointError(f"{path}: cannot be loaded ({what}); nothing of it was run: resume from an earlier "
+                                  "checkpoint (--resume PATH), or start afresh without --resume") from exc
 
     def _load_model(self, state: dict, path: str) -> None:
+        optimizer = self._optimizer_changed()
+        if optimizer is not None and not self.parts["backend"].sharded_checkpoint:
+            # another optimizer's state (adamw's moments for sgd) fails inside its first step (KeyError: 'momentum')
+            self.ranks.say(f"warning: checkpoint.force_resume: the optimizer was {optimizer[0]!r} in the checkpoint, "
+                           f"now {optimizer[1]!r}: its state is dropped, {optimizer[1]!r} starts afresh at this step "
+                           f"(learning rate from the config)", sys.stderr)
+            state = {key: value for key, value in state.items() if key != "optimizer"}
+        elif optimizer is not None:
+            err = ConfigError("optimizer.name", f"is {optimizer[1]!r} but checkpoint {path} holds the state of "
+                              f"{optimizer[0]!r} in the {self.cfg.distributed.backend} back end's own shards, which "
+                              "cannot be loaded without it", f"resume with optimizer.name: {optimizer[0]}")
+            err.every_rank = True  # launcher/worker.py: rank 0 says it for all
+            raise err
         load_shards(self.parts, path)
         # force_resume under another LR scheduler (accum-sched cbs holds the LR): the saved state is another
         # scheduler's, so the configured one starts afresh from the optimizer's learning rate (said in the plan's
         # one warning line)
         changed = any(field.startswith("lr_scheduler") for field, _, _ in self.plan.diffs)
         load_model_parts(self.parts, state, lr_scheduler=not changed)
+
+    def _optimizer_changed(self) -> tuple[str, str] | None:
+        """(the checkpoint's optimizer, the config's) where force_resume loads a checkpoint of another optimizer."""
+        for field, old, new in self.plan.diffs:
+            if field == "optimizer.name":
+                return str(old), str(new)
+        return None
 
     def loader(self, epoch: int, loader):
         """What the engine should iterate in ``epoch`` (with skip=False): ``loader`` positioned at the resume point

@@ -106,8 +106,9 @@ def load_model_parts(parts: dict, state: dict, lr_scheduler: bool = True) -> Non
     ``lr_scheduler=False``: the scheduler starts afresh (force_resume with another LR scheduler configured)."""
     if _model_in_trainer_pt(parts):
         parts["model"].load_state_dict(state["model"])
-        parts["optimizer"].load_state_dict(state["optimizer"])
-        own_optimizer_state(parts["optimizer"])
+        if "optimizer" in state:  # absent: force_resume with another optimizer, which starts afresh
+            parts["optimizer"].load_state_dict(state["optimizer"])
+            own_optimizer_state(parts["optimizer"])
     if lr_scheduler and parts["lr_scheduler"] is not None and state.get("lr_scheduler") is not None:
         parts["lr_scheduler"].load_state_dict(state["lr_scheduler"])  # also when DeepSpeed does not own it
     if parts["scaler"] is not None and state.get("scaler") is not None:

@@ -50,6 +50,54 @@ class UnsafePickle(CheckpointError):
     """A file of a checkpoint would import something a checkpoint has no business importing."""
 
 
+def refusal(path: str, what: str) -> UnsafePickle:
+    """The one line every load path (`run` before launch and in the workers, `cbs --from`) gives for a state file
+    of ours that must not be loaded: the same words whoever finds it."""
+    return UnsafePickle(f"{path}: cannot be loaded ({what}); nothing of it was run: resume from an earlier checkpoint "
+                        "(--resume PATH), or start afresh without --resume")
+
+
+def check_state_file(path: str) -> None:
+    """Raise :func:`refusal` when ``path`` (trainer.pt, window-rank<R>.pt, stream-rank<R>.pt: files we wrote with
+    torch.save) would import what :data:`ALLOWED` does not name, or is a pickle outside a torch zip archive (a raw
+    pickle, or torch's legacy format, which we never write). Read, never unpickled: torch.load(weights_only=True)
+    stays the loader, this makes its refusal one line before anything is moved or launched. Bytes that are neither
+    an archive nor a pickle (a torn archive, something else) are left to torch.load, which names what is wrong."""
+    if not zipfile.is_zipfile(path):
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+        if _starts_a_pickle(head):
+            raise refusal(path, "not a torch zip archive: a legacy-format file or a raw pickle, never written by "
+                                "accum-sched, is not unpickled")
+        return
+    for _, data in _pickles(path):
+        try:
+            found = imports(data)
+        except ValueError as exc:
+            raise refusal(path, f"its pickle {exc}") from None
+        for item in found:
+            if item is None or not _allowed(*item):
+                what = "an import whose name is computed" if item is None else f"{item[0]}.{item[1]}"
+                raise refusal(path, f"it would import {what}, refused by weights_only")
+
+
+def _starts_a_pickle(head: bytes) -> bool:
+    """``head`` opens with a pickle of protocol 2 or later (PROTO, then opcodes to STOP, or 16 and more of them
+    where the pickle is longer than ``head``), as a raw pickle and torch's legacy format (its magic number first)
+    do; random bytes almost never parse that far."""
+    if len(head) < 3 or head[0] != 0x80 or head[1] not in (2, 3, 4, 5):
+        return False
+    read = 0
+    try:
+        for op, _, _ in pickletools.genops(io.BytesIO(head)):
+            if op.name == "STOP":
+                return True
+            read += 1
+    except Exception:  # noqa: BLE001 -- bytes genops cannot read: not a pickle, or one longer than ``head``
+        return read >= 16  # a long pickle cut off by ``head``: 16 valid opcodes in a row are no accident
+    return False
+
+
 def _allowed(module: str, name: str) -> bool:
     if (module, name) in ALLOWED:
         return True

@@ -54,20 +54,21 @@ class ResumePlan:
 
 
 def plan_resume(cfg, world: int, resume: str | None, *, restarts: int = 0, root: str | None = None,
-                report=None) -> ResumePlan:
+                report=None, exclude: tuple[str, ...] = ()) -> ResumePlan:
     """Plan a run of ``world`` workers under ``cfg``. ``resume``: None (start afresh), ``"auto"`` or a path.
     ``restarts`` > 0 (a restarted worker group, a requeued job): continue from the newest valid checkpoint, falling
     back to ``resume`` when the failed attempt had not saved one yet. ``report(problem)`` hears of every damaged
-    checkpoint skipped. Raises ConfigError (one line) when the run must not start."""
+    checkpoint skipped; ``exclude``: checkpoints ``auto`` passes over (they failed to load). Raises ConfigError
+    (one line) when the run must not start."""
     if resume is None and restarts == 0:
         return ResumePlan()
     root = root if root is not None else store.checkpoint_root(cfg)
     notes = ()
     found = None
     if restarts > 0:
-        found = store.find(root, "auto", report)
+        found = store.find(root, "auto", report, exclude)
     if found is None and not (restarts > 0 and resume in (None, "auto")):
-        found = store.find(root, resume, report)
+        found = store.find(root, resume, report, exclude)
         if found is None:
             notes = (f"--resume auto: no checkpoint in {root} yet; starting afresh",)
     if found is None:

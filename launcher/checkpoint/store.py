@@ -23,7 +23,9 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 
+from launcher.checkpoint import pickle_scan
 from launcher.checkpoint.manifest import FORMAT, MANIFEST, Manifest, ManifestError, migrate
 from launcher.errors import ConfigError
 
@@ -195,9 +197,11 @@ def rotate(root: str, keep: int) -> list[str]:
 
 
 # -- reading ----------------------------------------------------------------------------------------------------
-def verify(path: str) -> tuple[Manifest | None, str | None]:
-    """``(manifest, None)`` if every file of checkpoint ``path`` is present with its recorded size and sha256,
-    else ``(None, problem)``, the problem naming the file at fault. A manifest of an older version is migrated."""
+def verify(path: str, raise_unsafe: bool = False) -> tuple[Manifest | None, str | None]:
+    """``(manifest, None)`` if every file of checkpoint ``path`` is present with its recorded size and sha256, and
+    our own state files would import nothing unexpected when loaded (pickle_scan.check_state_file), else ``(None,
+    problem)``, the problem naming the file at fault. A manifest of an older version is migrated.
+    ``raise_unsafe``: raise the state file's UnsafePickle (one line, exit 2 in every command) instead."""
     mpath = os.path.join(path, MANIFEST)
     try:
         with open(mpath, encoding="utf-8") as f:
@@ -221,12 +225,21 @@ def verify(path: str) -> tuple[Manifest | None, str | None]:
             return None, f"{fpath}: {size} bytes, the manifest says {meta['bytes']} (truncated or torn)"
         if file_digest(fpath) != meta["sha256"]:
             return None, f"{fpath}: sha256 differs from the manifest (corrupted)"
+    for rel in sorted(manifest.files):  # our own state files, one who rewrote the manifest too: checked unread
+        if "/" not in rel and rel.endswith(".pt"):
+            try:
+                pickle_scan.check_state_file(os.path.join(path, rel))
+            except pickle_scan.UnsafePickle as exc:
+                if raise_unsafe:
+                    raise
+                return None, str(exc)
     return manifest, None
 
 
-def find(root: str, resume: str, report=None) -> tuple[str, Manifest] | None:
+def find(root: str, resume: str, report=None, exclude: tuple[str, ...] = ()) -> tuple[str, Manifest] | None:
     """The checkpoint to resume from: ``resume`` is ``"auto"`` (the newest valid one under ``root``, falling back
-    past damaged ones, each reported by ``report(problem)``), a checkpoint directory, or a folder of them.
+    past damaged ones, each reported by ``report(problem)``, and past those in ``exclude``), a checkpoint directory,
+    or a folder of them.
 
     Returns ``(path, manifest)``, or None when ``auto`` finds no checkpoint at all. Raises ConfigError when an
     explicitly named checkpoint is damaged, or when checkpoints exist but none is valid.
@@ -239,7 +252,7 @@ def find(root: str, resume: str, report=None) -> tuple[str, Manifest] | None:
         if os.path.isfile(path) and os.path.basename(path) in (MANIFEST, STATE):
             path = os.path.dirname(path) or "."
         if os.path.isfile(os.path.join(path, MANIFEST)) or _NAME.match(os.path.basename(os.path.normpath(path))):
-            manifest, problem = verify(path)
+            manifest, problem = verify(path, raise_unsafe=True)  # a planted pickle: the workers' own line, exit 2
             if problem:
                 raise ConfigError("--resume", f"checkpoint {problem}",
                                   "pick another checkpoint, or --resume auto for the newest valid one")
@@ -250,6 +263,8 @@ def find(root: str, resume: str, report=None) -> tuple[str, Manifest] | None:
         root = path
     entries = list_checkpoints(root)
     for _, path in reversed(entries):
+        if path in exclude:  # failed to load on some rank (the workers' fallback): the next newest
+            continue
         manifest, problem = verify(path)
         if manifest is not None:
             return path, manifest
@@ -373,25 +388,74 @@ def _section(flat: dict, section: str):
 
 
 # -- metrics ----------------------------------------------------------------------------------------------------
-def truncate_metrics(run_dir: str, step: int) -> int:
+REWOUND = "metrics.rewound.jsonl"  # lines a resume (or a fresh start) cut from metrics.jsonl, kept, never deleted
+
+
+@dataclass(frozen=True)
+class MetricsRewind:
+    """What :func:`rewind_metrics` did to metrics.jsonl: lines kept, lines moved to :data:`REWOUND`, whether one of
+    them was torn (not JSON: a worker stopped mid-write), the last step kept (0: none), whether there was a file."""
+
+    kept: int = 0
+    aside: int = 0
+    torn: bool = False
+    last_step: int = 0
+    existed: bool = False  # none: a resume into another directory (accum-sched cbs's branches), nothing to miss
+
+    def notes(self, run_dir: str, step: int) -> list[str]:
+        """Warnings for the log: lines set aside, a torn line, and steps before ``step`` that have no line."""
+        out = []
+        aside = os.path.join(run_dir, REWOUND)
+        if self.torn:
+            out.append(f"warning: metrics.jsonl: a torn line (a worker stopped mid-write) was found and moved to "
+                       f"{aside}")
+        if self.aside - self.torn:
+            out.append(f"metrics.jsonl: {self.aside - self.torn} line(s) after step {step} (a future this resume "
+                       f"rewinds) moved to {aside}")
+        if self.existed and self.last_step < step:
+            missing = f"{self.last_step + 1}-{step}" if step > self.last_step + 1 else f"{step}"
+            out.append(f"warning: metrics.jsonl has no line for step(s) {missing}, trained before this checkpoint "
+                       "(lost with a torn or deleted file): they stay missing; `accum-sched report` names the gap")
+        return out
+
+
+def rewind_metrics(run_dir: str, step: int) -> MetricsRewind:
     """Keep the metrics.jsonl lines of optimizer steps <= ``step`` (a resumed run rewrites the rest, so none is
-    duplicated or lost; a torn last line goes too). Atomic. Returns the lines kept."""
+    duplicated); the others, and any line that is not JSON (torn), are appended to :data:`REWOUND` first. Atomic."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
-        return 0
-    kept = []
+        return MetricsRewind()
+    kept, aside, torn, last = [], [], False, 0
     with open(path, encoding="utf-8") as f:
         for line in f:
+            line = line if line.endswith("\n") else line + "\n"
             try:
                 record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and int(record.get("step", 0)) <= step:
-                kept.append(line if line.endswith("\n") else line + "\n")
+                at = int(record.get("step", 0)) if isinstance(record, dict) else None
+            except (ValueError, TypeError):
+                at = None
+            if at is None:
+                torn = torn or bool(line.strip())
+                aside += [line] if line.strip() else []
+            elif at <= step:
+                kept.append(line)
+                last = max(last, at)
+            else:
+                aside.append(line)
+    if aside:
+        with open(os.path.join(run_dir, REWOUND), "a", encoding="utf-8") as f:
+            f.writelines(aside)
+            f.flush()
+            os.fsync(f.fileno())
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(kept)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return len(kept)
+    return MetricsRewind(len(kept), len(aside), torn, last, existed=True)
+
+
+def truncate_metrics(run_dir: str, step: int) -> int:
+    """:func:`rewind_metrics`, returning the lines kept."""
+    return rewind_metrics(run_dir, step).kept

@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 
+from launcher.checkpoint.pickle_scan import UnsafePickle
 from launcher.errors import ConfigError
 
 # subcommand -> module implementing it; keep the modules' top-level imports free of torch.
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except ConfigError as err:
         print(f"error: {err.line()}", file=sys.stderr)
+        return 2
+    except UnsafePickle as err:  # a planted or foreign pickle in a checkpoint: the workers' own line (bad input)
+        print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

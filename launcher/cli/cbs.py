@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 
+from launcher.checkpoint import pickle_scan
 from launcher.config import load_config
 from launcher.errors import ConfigError
 
@@ -110,7 +111,12 @@ def checkpoint_lr(checkpoint: str, metrics_lr: float | None, fallback: float) ->
     checkpoint step's metrics line where a back end keeps the optimizer in its own shards)."""
     import torch
 
-    state = torch.load(os.path.join(checkpoint, "trainer.pt"), map_location="cpu", weights_only=True)
+    path = os.path.join(checkpoint, "trainer.pt")
+    pickle_scan.check_state_file(path)  # a planted or foreign pickle: the one line `run` gives, exit 2
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # never torch's advice to load it without weights_only
+        raise pickle_scan.refusal(path, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}") from exc
     optimizer = state.get("optimizer")
     if optimizer and optimizer.get("param_groups"):
         return float(optimizer["param_groups"][0]["lr"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from launcher.errors import ConfigError
 from launcher.report import noise as report_noise
@@ -63,6 +64,8 @@ def main(args) -> int:
     history, summary = read_inputs(run_dir)
     evals = read_evals(run_dir)
     numbers = report.summarize(history, summary, evals)
+    for note in report.gap_warnings(numbers):  # steps missing from metrics.jsonl: said apart from the summary too
+        print(f"warning: {run_dir}: {note}", file=sys.stderr, flush=True)
     text = report.format_summary(numbers, run_dir)
     png = os.path.join(run_dir, "report.png")
     report.render(history, numbers, png, report.title(numbers, run_dir), evals)

@@ -1,10 +1,12 @@
 """`accum-sched run CONFIG`: validate, write the resolved config, start the workers through torchrun.
 
 Exit status: torchrun's (0 when training completed); 2 for a bad config (nothing launched); 75 when a SIGTERM
-stopped the run and the workers committed a checkpoint first (continue with --resume; launcher/launch/forward.py)."""
+stopped the run and the workers committed a checkpoint first (continue with --resume; launcher/launch/forward.py);
+130 when a SIGINT (Ctrl-C) did the same."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -15,6 +17,7 @@ from launcher.errors import ConfigError
 from launcher.launch import env as launch_env
 from launcher.launch import failures, forward, malloc, rundir
 from launcher.launch.torchrun import LaunchPlan, check_endpoint, run_id, torchrun_argv
+from launcher.train import data_size
 
 
 def add_parser(sub) -> None:
@@ -65,6 +68,7 @@ def main(args) -> int:
         raise ConfigError("--node-rank", f"{args.node_rank} is outside 0..{dist.nnodes - 1}", "number nodes from 0")
     rundir.check_dirs(cfg)  # a file where run.output_dir or checkpoint.dir should be: exit 2, nothing written
     preflight(cfg)
+    data_size.check_builtin(cfg)  # a built-in task's dataset without one micro-batch per rank: exit 2 here
     if not _plain_optimizer(cfg):
         from launcher.train.optim import (
             check_config,  # imports torch and the named classes: only when there is a name to check
@@ -101,9 +105,11 @@ def main(args) -> int:
     if failed and failed.get("shown"):  # a worker found bad input (ConfigError, UnsafePickle) and said it in one line
         return 2
     if signals and status == 0 and not _completed_since(run_dir, began):
+        # SIGINT (Ctrl-C) ends with the shell's 130, SIGTERM with 75 (EX_TEMPFAIL); both committed the open window
+        code = forward.INTERRUPTED_STATUS if signal.SIGINT in signals else forward.PREEMPTED_STATUS
         print(f"accum-sched: stopped by signal {signals[0]}: checkpoint committed; continue with "
-              f"`accum-sched run {args.config} --resume` (exit {forward.PREEMPTED_STATUS})", file=sys.stderr)
-        return forward.PREEMPTED_STATUS
+              f"`accum-sched run {args.config} --resume` (exit {code})", file=sys.stderr)
+        return code
     return status
 
 

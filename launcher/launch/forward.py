@@ -10,7 +10,15 @@ SIGTERM is forwarded too (the workers then end at once). Standard library only.
 A SIGKILL of `accum-sched run` itself cannot be forwarded: torchrun is started with the kernel's parent-death
 signal (prctl PR_SET_PDEATHSIG) set to SIGTERM, so it winds its workers down as it would for any SIGTERM, and each
 worker started by torchrun asks for SIGKILL when torchrun dies (launcher/worker.py): no worker outlives the
-command (docs/reliability.md).
+command (docs/reliability.md). The worker asks before it imports torch (seconds), and checks that its parent is
+still the torchrun this command started: the command hands its own pid down (``LAUNCHER_PID_ENV``) and the worker
+compares its parent's parent with it. Reading the parent pid back at the moment of the request would pass when
+torchrun had already died (the parent is then init, or a subreaper), leaving an orphan retrying its TCPStore.
+
+SIGINT (Ctrl-C, sent to the whole foreground process group) is a stop like SIGTERM: torchrun ignores it (it is
+started with SIGINT ignored and told to handle only SIGTERM, SIGHUP and SIGQUIT: otherwise it would hand it to
+the workers as a KeyboardInterrupt and exit 1), this command forwards it to the workers, which commit the open
+window and exit 0, and the command exits 130 with the resume hint (launcher/cli/run.py).
 """
 from __future__ import annotations
 
@@ -23,8 +31,10 @@ import sys
 from launcher.launch import rundir
 from launcher.launch.torchrun import WORKER_MODULE
 
-FORWARDED = (signal.SIGTERM,)
+FORWARDED = (signal.SIGTERM, signal.SIGINT)
 PREEMPTED_STATUS = 75  # EX_TEMPFAIL: stopped early with a checkpoint; `accum-sched run ... --resume` continues
+INTERRUPTED_STATUS = 130  # 128 + SIGINT, the shell's status for Ctrl-C; the checkpoint is committed all the same
+LAUNCHER_PID_ENV = "ACCUM_SCHED_LAUNCHER_PID"  # the pid of `accum-sched run`, torchrun's parent
 
 
 def worker_pids(parent: int) -> list[int]:
@@ -76,13 +86,43 @@ def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None, prctl=
     return True
 
 
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` (/proc), None where unknown (gone, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[1])  # the command name may hold spaces and ')'
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def guard_worker(environ=os.environ, prctl=None) -> bool:
+    """A worker started by torchrun under `accum-sched run`: SIGKILL when torchrun dies, and at once when torchrun
+    is gone already, i.e. when this process's parent is no longer a child of the pid `accum-sched run` handed down
+    (``LAUNCHER_PID_ENV``). Without that variable (torchrun started by an sbatch script) the parent read now is
+    the one checked, as before. False where the request cannot be made (not Linux)."""
+    launcher = environ.get(LAUNCHER_PID_ENV, "")
+    parent = os.getppid()
+    if not die_with_parent(signal.SIGKILL, parent, prctl):
+        return False
+    if launcher.isdigit() and parent_of(parent) != int(launcher):  # torchrun died before the request
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
 def call(argv: list[str], env: dict) -> tuple[int, list[int]]:
-    """Run ``argv`` (torchrun) to its end, forwarding SIGTERM to its workers; torchrun gets SIGTERM if this process
-    dies (SIGKILL included) and inherits the run directory's lock (launcher/launch/rundir.py). Returns (status,
-    signals received)."""
+    """Run ``argv`` (torchrun) to its end, forwarding SIGTERM and SIGINT to its workers; torchrun gets SIGTERM if
+    this process dies (SIGKILL included) and inherits the run directory's lock (launcher/launch/rundir.py). Returns
+    (status, signals received)."""
     prctl, me = _prctl(), os.getpid()  # looked up before the fork: the child only makes the call
-    proc = subprocess.Popen(argv, env=env, pass_fds=rundir.held(),
-                            preexec_fn=(lambda: die_with_parent(signal.SIGTERM, me, prctl)) if prctl else None)
+    env = {**env, LAUNCHER_PID_ENV: str(me)}
+
+    def in_torchrun():  # between fork and exec: SIGINT stays ignored in torchrun and its workers until they say
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if prctl:
+            die_with_parent(signal.SIGTERM, me, prctl)
+
+    proc = subprocess.Popen(argv, env=env, pass_fds=rundir.held(), preexec_fn=in_torchrun)
     received: list[int] = []
 
     def forward(signum, frame):

@@ -38,6 +38,8 @@ def torchrun_argv(plan: LaunchPlan, worker_args: list[str], python: str = sys.ex
                  "--rdzv-id", plan.rdzv_id or "accum-sched"]
         if plan.node_rank is not None:
             argv += ["--node-rank", str(plan.node_rank)]
+    # SIGINT is not torchrun's: `accum-sched run` forwards it to the workers as a stop (launcher/launch/forward.py)
+    argv += ["--signals-to-handle", "SIGTERM,SIGHUP,SIGQUIT"]
     argv += ["--max-restarts", str(plan.max_restarts), "-m", WORKER_MODULE, *worker_args]
     return argv
 

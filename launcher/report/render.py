@@ -233,6 +233,15 @@ def summarize(history: History, summary: dict | None, evals: list[dict] | None =
     return numbers
 
 
+GAP_NOTES = ("metrics.jsonl has no line for step(s) ", "the last line of metrics.jsonl is unfinished")
+
+
+def gap_warnings(numbers: dict) -> list[str]:
+    """The notes of :func:`summarize` about lines missing from metrics.jsonl (a gap in the steps, a torn last
+    line): `accum-sched report` also prints them as warnings, since the counts and curves leave those steps out."""
+    return [note for note in numbers["notes"] if note.startswith(GAP_NOTES)]
+
+
 def _num(value, fmt: str, unknown: str = "unknown") -> str:
     return unknown if value is None else format(value, fmt)
 

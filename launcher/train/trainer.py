@@ -25,6 +25,7 @@ from launcher.config import Config
 from launcher.errors import ConfigError
 from launcher.train import coordination, streams
 from launcher.train.compile import CompileClock
+from launcher.train.data_size import too_small
 from launcher.train.metrics import (
     MetricsWriter,
     Progress,
@@ -152,6 +153,19 @@ def _map_style_steps(schedule, loader, sampler, task, cfg: Config, world: int) -
     return schedule.optimizer_steps(batches, epochs, tokens_per_micro_step=lambda e, i: per_step[e][i])
 
 
+def check_enough_data(task, sampler, loader, cfg: Config, world: int) -> None:
+    """Raise ConfigError (the same on every rank, so only rank 0 prints it) when an epoch would give a rank no
+    micro-batch (launcher/train/data_size.py); a stream's length is unknown: not checked."""
+    if streams.is_stream(task.dataset) or (len(task.dataset) and len(loader)):
+        return
+    err = too_small(cfg.task.target, len(task.dataset), world, cfg.data.micro_batch_size, cfg.data.drop_last)
+    if err is None:  # the loader disagrees with the sampler's arithmetic (a task's own collate or sampler)
+        err = ConfigError("data.micro_batch_size", f"is {cfg.data.micro_batch_size}, but the loader of each rank's "
+                          f"{len(sampler)} samples gives no micro-batch", "give the task more samples")
+    err.every_rank = True  # launcher/worker.py: rank 0 says it for all
+    raise err
+
+
 class Trainer:
     """Holds everything one rank trains with; `fit()` is the loop, `_after_step` what follows every step."""
 
@@ -163,6 +177,7 @@ class Trainer:
         seed_everything(cfg.run.seed)  # identical initial weights on every rank
         self.task = tasks.build(cfg.task.target, cfg.task.args)
         self.sampler, self.loader = self._make_loader()
+        check_enough_data(self.task, self.sampler, self.loader, cfg, self.world)  # before anything is written
         # before a resume starts the loader mid-epoch (ResumeSampler's length is then what is left of the epoch)
         self.batches_per_epoch = None if streams.is_stream(self.task.dataset) else len(self.loader)
         # finds the checkpoint to resume (rank 0 reads, all agree); its world size may rescale the schedule
