@@ -120,3 +120,58 @@ def test_the_own_loop_excerpts_are_lines_of_the_example_that_runs():
         (code,) = _python_blocks(page)
         missing = [line for line in code.splitlines() if line.strip() and line.strip() not in example]
         assert not missing, f"{page.name}: lines not in examples/own_loop.py: {missing}"
+
+
+def _excerpt_lines_missing(page: Path, example: Path, block: int = 0) -> list[str]:
+    """Lines of ``page``'s python block number ``block`` that are not lines of ``example`` (indentation aside)."""
+    lines = {line.strip() for line in example.read_text().splitlines()}
+    code = _python_blocks(page)[block]
+    return [line for line in code.splitlines() if line.strip() and line.strip() not in lines]
+
+
+def _printed(done: subprocess.CompletedProcess) -> list[str]:
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout.splitlines()
+
+
+def test_the_stream_example_runs_as_written(tmp_path):
+    """docs/data.md: 37 samples in micro-batches of 4 are 10 micro-batches without a len(); {0: 1, 1: 4} steps
+    10 times in epoch 0 and ceil(10 / 4) = 3 times in epoch 1, whose last window is the 2 micro-batches (4 + 1
+    samples) the stream's end left."""
+    (code,) = _python_blocks(ROOT / "docs" / "data.md")
+    assert _printed(_run_example(code, tmp_path)) == [
+        "epoch 0: factor 1, 10 optimizer steps so far", "epoch 1: factor 4, 13 optimizer steps so far",
+        "last window: 2 micro-batches, 5 samples"]
+    text = (ROOT / "docs" / "data.md").read_text()
+    assert "`epoch 1: factor 4, 13 optimizer steps so far`" in text
+    assert "`last window: 2 micro-batches, 5 samples`" in text
+
+
+def test_the_adaptive_example_starts_at_min_factor_and_follows_the_noise_scale(tmp_path):
+    """docs/adaptive.md: one line per optimizer step (factor, noise scale, reason); the first 10 steps at
+    min_factor 2, the decision at step 10 moves the factor within [2, 16], and every later factor is one a decision
+    named; the line the page quotes is one the script prints."""
+    (code,) = _python_blocks(ROOT / "docs" / "adaptive.md")
+    rows = [line.split(" ", 2) for line in _printed(_run_example(code, tmp_path))]
+    assert len(rows) > 12 and all(len(row) == 3 for row in rows), rows[:3]
+    assert [(row[0], row[2]) for row in rows[:10]] == [("2", "initial: min_factor 2")] * 10
+    assert rows[10][2].startswith("step 10: 2 -> ") and 2 < int(rows[10][0]) <= 16, rows[10]
+    for factor, _, reason in rows[10:]:
+        assert 2 <= int(factor) <= 16 and (f"-> {factor}:" in reason or f"keep {factor}:" in reason), reason
+    assert all(float(row[1]) > 0 for row in rows[1:])
+    text = (ROOT / "docs" / "adaptive.md").read_text()
+    quoted = text.split("e.g. `", 1)[1].split("`", 1)[0]
+    first, second = quoted.split("... ", 1)
+    assert any(f"{r[0]} {r[1]}".startswith(first) and r[2] == second for r in rows), quoted
+
+
+def test_the_own_loop_resume_excerpt_is_the_example_that_runs(tmp_path):
+    """docs/resume.md shows the heart of examples/resume_own_loop.py; run in an empty directory, the resumed run
+    loads only the 4 micro-batches (32 samples) after the stop and ends with the uninterrupted run's parameters."""
+    page, example = ROOT / "docs" / "resume.md", ROOT / "examples" / "resume_own_loop.py"
+    assert "Runnable as\n`python examples/resume_own_loop.py` (one process); the heart of it:" in page.read_text()
+    assert not _excerpt_lines_missing(page, example)
+    printed = _printed(_run_example(example.read_text(), tmp_path))
+    assert printed == ["stopped at epoch 1, micro-batch 8", "the resumed run loaded 32 samples",
+                       "same parameters as the uninterrupted run: True"]
+    assert all(f"`{line}`" in page.read_text() for line in printed)
