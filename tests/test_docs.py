@@ -175,3 +175,59 @@ def test_the_own_loop_resume_excerpt_is_the_example_that_runs(tmp_path):
     assert printed == ["stopped at epoch 1, micro-batch 8", "the resumed run loaded 32 samples",
                        "same parameters as the uninterrupted run: True"]
     assert all(f"`{line}`" in page.read_text() for line in printed)
+
+
+def _run_on_two_ranks(code: str, tmp_path: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``code`` as ``example.py`` in an empty directory, run as the page says: torchrun --nproc-per-node 2."""
+    (tmp_path / "example.py").write_text(code)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+TWO_RANK_PAGES = ("fsdp.md", "deepspeed.md", "training.md")
+
+
+@pytest.mark.parametrize("page", TWO_RANK_PAGES)
+def test_the_two_rank_examples_are_whole_scripts_the_page_says_how_to_run(page):
+    """The fast tier's check of the pages whose script needs torchrun (run by the slow tests below): the block is a
+    whole script (it parses, imports what it uses, sets up its process group) and the text gives the command."""
+    text = (ROOT / "docs" / page).read_text()
+    assert "(a complete script: `torchrun --nproc-per-node 2 example.py` on CPU, gloo):\n\n```python" in text
+    (code,) = [block for block in _python_blocks(ROOT / "docs" / page) if "init_process_group" in block]
+    compile(code, page, "exec")
+    assert code.startswith("import ") and 'dist.init_process_group("gloo")\nmain()\n' in code
+
+
+@pytest.mark.slow
+def test_the_fsdp_example_shards_the_model_and_steps_on_its_schedule(tmp_path):
+    """docs/fsdp.md: 8 epochs of 4 micro-batches per rank, {0: 1, 5: 2}: 5 x 4 + 3 x 2 optimizer steps on both
+    ranks, and each rank holds a part of the 833 parameter elements, the parts adding up to the whole."""
+    (code,) = _python_blocks(ROOT / "docs" / "fsdp.md")
+    done = _run_on_two_ranks(code, tmp_path)
+    lines = sorted(line for line in _printed(done) if line.startswith("rank "))
+    held = [int(line.split("holds ")[1].split(" of")[0]) for line in lines]
+    assert [line.split(" holds")[0] for line in lines] == ["rank 0: 26 optimizer steps,", "rank 1: 26 optimizer steps,"]
+    assert all("of 833 parameter elements" in line for line in lines) and sum(held) == 833 and 0 < min(held), lines
+    assert f"({held[0]} and {held[1]} here" in (ROOT / "docs" / "fsdp.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_deepspeed_example_steps_on_its_schedule_and_consolidates(tmp_path):
+    """docs/deepspeed.md: ZeRO-2 on 2 ranks, 4 micro-batches per rank and epoch, {0: 1, 5: 2, 10: 4} over 12
+    epochs: 5 x 4 + 5 x 2 + 2 x 1 optimizer steps; rank 0's consolidated state_dict has the plain model's keys."""
+    pytest.importorskip("deepspeed")
+    (code,) = _python_blocks(ROOT / "docs" / "deepspeed.md")
+    lines = [line for line in _printed(_run_on_two_ranks(code, tmp_path)) if "optimizer steps" in line]
+    assert lines == ["32 optimizer steps; state_dict: ['0.bias', '0.weight', '2.bias', '2.weight']"]
+
+
+@pytest.mark.slow
+def test_the_compile_example_saves_the_bare_modules_keys(tmp_path):
+    """docs/training.md: torch.compile inside DDP on 2 ranks, {0: 1, 2: 2, 4: 4} over 6 epochs of 4 micro-batches:
+    8 + 4 + 2 optimizer steps, and model.pt's keys carry no _orig_mod. prefix."""
+    (code,) = [b for b in _python_blocks(ROOT / "docs" / "training.md") if "torch.compile" in b]
+    lines = [line for line in _printed(_run_on_two_ranks(code, tmp_path)) if "optimizer steps" in line]
+    assert lines == ["14 optimizer steps; model.pt keys: ['0.bias', '0.weight', '2.bias', '2.weight']"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["example.py", "model.pt"]
