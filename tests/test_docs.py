@@ -231,3 +231,21 @@ def test_the_compile_example_saves_the_bare_modules_keys(tmp_path):
     lines = [line for line in _printed(_run_on_two_ranks(code, tmp_path)) if "optimizer steps" in line]
     assert lines == ["14 optimizer steps; model.pt keys: ['0.bias', '0.weight', '2.bias', '2.weight']"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["example.py", "model.pt"]
+
+
+@pytest.mark.slow
+def test_the_hf_export_example_opens_what_hf_tiny_wrote(tmp_path):
+    """docs/hf.md: after `accum-sched run configs/hf_tiny.yaml` (here one epoch, its outputs in the empty directory
+    the script then runs in), the script opens runs/hf_tiny/hf, finds its 53 model.pt tensors equal, and writes
+    on from "The "."""
+    pytest.importorskip("transformers")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, "-m", "launcher", "run", "configs/hf_tiny.yaml", "--set", "run.epochs=1",
+                          "--set", f"run.output_dir={tmp_path / 'runs' / 'hf_tiny'}"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (code,) = _python_blocks(ROOT / "docs" / "hf.md")
+    printed = _printed(_run_example(code, tmp_path))
+    assert printed[0] == "53 tensors of model.pt, all equal in hf/: True"
+    assert printed[1].startswith("'The ") and len(printed) == 2, printed
