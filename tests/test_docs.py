@@ -249,3 +249,16 @@ def test_the_hf_export_example_opens_what_hf_tiny_wrote(tmp_path):
     printed = _printed(_run_example(code, tmp_path))
     assert printed[0] == "53 tensors of model.pt, all equal in hf/: True"
     assert printed[1].startswith("'The ") and len(printed) == 2, printed
+
+
+def test_the_backend_interface_excerpt_is_the_example_that_runs(tmp_path):
+    """docs/backends.md shows the heart of examples/drive_a_backend.py, which drives a back end through one window
+    in the engine's order; run in an empty directory, its step equals plain torch's large-batch SGD step."""
+    page, example = ROOT / "docs" / "backends.md", ROOT / "examples" / "drive_a_backend.py"
+    assert "Runnable as `python examples/drive_a_backend.py`" in page.read_text()
+    assert not _excerpt_lines_missing(page, example)
+    printed = _printed(_run_example(example.read_text(), tmp_path))
+    assert printed[0].startswith("window totals: 10 elements, 10 samples, loss sum ")
+    assert printed[1:] == ["one optimizer step equals the large-batch reference: True",
+                           "gradient cleared after the step: True"]
+    assert f"`{printed[1]}`" in page.read_text()
