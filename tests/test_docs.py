@@ -74,11 +74,11 @@ def test_every_docs_page_is_linked_from_the_readme():
     assert not orphans, f"docs pages not linked from README.md: {orphans}"
 
 
-def _python_blocks(page: Path) -> list[str]:
-    """The ```python blocks of a page, in order."""
+def _python_blocks(page: Path, language: str = "python") -> list[str]:
+    """The ```python (or other ``language``) blocks of a page, in order."""
     blocks, current = [], None
     for line in page.read_text().splitlines():
-        if current is None and line.strip() == "```python":
+        if current is None and line.strip() == "```" + language:
             current = []
         elif current is not None and line.startswith("```"):
             blocks.append("\n".join(current) + "\n")
@@ -262,3 +262,30 @@ def test_the_backend_interface_excerpt_is_the_example_that_runs(tmp_path):
     assert printed[1:] == ["one optimizer step equals the large-batch reference: True",
                            "gradient cleared after the step: True"]
     assert f"`{printed[1]}`" in page.read_text()
+
+
+def test_the_yaml_examples_pass_accum_sched_check(tmp_path, monkeypatch, capsys):
+    """README.md's config is whole: `accum-sched check` takes it as written. Every other ```yaml block on a page is
+    a few sections of a config: each section replaces configs/demo.yaml's and `check` takes the result (the files
+    the stream example names exist in the directory it runs in, configs/ is the project's)."""
+    import yaml
+
+    from launcher.cli import main
+
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("a line of text\n")
+    (tmp_path / "data" / "extra.jsonl").write_text('{"text": "another"}\n')
+    monkeypatch.chdir(tmp_path)
+    (readme_config,) = _python_blocks(ROOT / "README.md", "yaml")
+    (tmp_path / "readme.yaml").write_text(readme_config)
+    assert main(["check", "readme.yaml", "--batches-per-epoch", "32"]) == 0, capsys.readouterr()
+    demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    refused = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for number, block in enumerate(_python_blocks(page, "yaml")):
+            (tmp_path / "snippet.yaml").write_text(yaml.safe_dump({**demo, **yaml.safe_load(block)}))
+            capsys.readouterr()
+            if main(["check", "snippet.yaml", "--batches-per-epoch", "8"]) != 0:
+                refused.append(f"{page.name} yaml block {number + 1}: {capsys.readouterr().err.strip()}")
+    assert not refused, "\n".join(refused)
