@@ -289,3 +289,18 @@ def test_the_yaml_examples_pass_accum_sched_check(tmp_path, monkeypatch, capsys)
             if main(["check", "snippet.yaml", "--batches-per-epoch", "8"]) != 0:
                 refused.append(f"{page.name} yaml block {number + 1}: {capsys.readouterr().err.strip()}")
     assert not refused, "\n".join(refused)
+
+
+# Every ```python block of the documentation and the test above that runs it (or checks it line by line against the
+# example file that one runs): a block added to a page must be added here, with its test.
+PYTHON_BLOCKS = {
+    "README.md": 1, "guide.md": 1,  # examples/own_loop.py's excerpt (tests/test_examples.py runs the file)
+    "lightning.md": 1, "data.md": 1, "adaptive.md": 1, "fsdp.md": 1, "deepspeed.md": 1, "training.md": 1,
+    "hf.md": 1,  # whole scripts
+    "resume.md": 1, "backends.md": 1,  # excerpts of examples/resume_own_loop.py, examples/drive_a_backend.py
+}
+
+
+def test_every_python_block_is_one_a_test_runs():
+    found = {page.name: len(_python_blocks(page)) for page in _pages() if _python_blocks(page)}
+    assert found == PYTHON_BLOCKS, "a python block no test runs: add a test for it (whole script or excerpt)"
