@@ -74,11 +74,11 @@ def test_every_docs_page_is_linked_from_the_readme():
     assert not orphans, f"docs pages not linked from README.md: {orphans}"
 
 
-def _python_blocks(page: Path) -> list[str]:
-    """The ```python blocks of a page, in order."""
+def _python_blocks(page: Path, language: str = "python") -> list[str]:
+    """The ```python (or other ``language``) blocks of a page, in order."""
     blocks, current = [], None
     for line in page.read_text().splitlines():
-        if current is None and line.strip() == "```python":
+        if current is None and line.strip() == "```" + language:
             current = []
         elif current is not None and line.startswith("```"):
             blocks.append("\n".join(current) + "\n")
@@ -120,3 +120,187 @@ def test_the_own_loop_excerpts_are_lines_of_the_example_that_runs():
         (code,) = _python_blocks(page)
         missing = [line for line in code.splitlines() if line.strip() and line.strip() not in example]
         assert not missing, f"{page.name}: lines not in examples/own_loop.py: {missing}"
+
+
+def _excerpt_lines_missing(page: Path, example: Path, block: int = 0) -> list[str]:
+    """Lines of ``page``'s python block number ``block`` that are not lines of ``example`` (indentation aside)."""
+    lines = {line.strip() for line in example.read_text().splitlines()}
+    code = _python_blocks(page)[block]
+    return [line for line in code.splitlines() if line.strip() and line.strip() not in lines]
+
+
+def _printed(done: subprocess.CompletedProcess) -> list[str]:
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout.splitlines()
+
+
+def test_the_stream_example_runs_as_written(tmp_path):
+    """docs/data.md: 37 samples in micro-batches of 4 are 10 micro-batches without a len(); {0: 1, 1: 4} steps
+    10 times in epoch 0 and ceil(10 / 4) = 3 times in epoch 1, whose last window is the 2 micro-batches (4 + 1
+    samples) the stream's end left."""
+    (code,) = _python_blocks(ROOT / "docs" / "data.md")
+    assert _printed(_run_example(code, tmp_path)) == [
+        "epoch 0: factor 1, 10 optimizer steps so far", "epoch 1: factor 4, 13 optimizer steps so far",
+        "last window: 2 micro-batches, 5 samples"]
+    text = (ROOT / "docs" / "data.md").read_text()
+    assert "`epoch 1: factor 4, 13 optimizer steps so far`" in text
+    assert "`last window: 2 micro-batches, 5 samples`" in text
+
+
+def test_the_adaptive_example_starts_at_min_factor_and_follows_the_noise_scale(tmp_path):
+    """docs/adaptive.md: one line per optimizer step (factor, noise scale, reason); the first 10 steps at
+    min_factor 2, the decision at step 10 moves the factor within [2, 16], and every later factor is one a decision
+    named; the line the page quotes is one the script prints."""
+    (code,) = _python_blocks(ROOT / "docs" / "adaptive.md")
+    rows = [line.split(" ", 2) for line in _printed(_run_example(code, tmp_path))]
+    assert len(rows) > 12 and all(len(row) == 3 for row in rows), rows[:3]
+    assert [(row[0], row[2]) for row in rows[:10]] == [("2", "initial: min_factor 2")] * 10
+    assert rows[10][2].startswith("step 10: 2 -> ") and 2 < int(rows[10][0]) <= 16, rows[10]
+    for factor, _, reason in rows[10:]:
+        assert 2 <= int(factor) <= 16 and (f"-> {factor}:" in reason or f"keep {factor}:" in reason), reason
+    assert all(float(row[1]) > 0 for row in rows[1:])
+    text = (ROOT / "docs" / "adaptive.md").read_text()
+    quoted = text.split("e.g. `", 1)[1].split("`", 1)[0]
+    first, second = quoted.split("... ", 1)
+    assert any(f"{r[0]} {r[1]}".startswith(first) and r[2] == second for r in rows), quoted
+
+
+def test_the_own_loop_resume_excerpt_is_the_example_that_runs(tmp_path):
+    """docs/resume.md shows the heart of examples/resume_own_loop.py; run in an empty directory, the resumed run
+    loads only the 4 micro-batches (32 samples) after the stop and ends with the uninterrupted run's parameters."""
+    page, example = ROOT / "docs" / "resume.md", ROOT / "examples" / "resume_own_loop.py"
+    assert "Runnable as\n`python examples/resume_own_loop.py` (one process); the heart of it:" in page.read_text()
+    assert not _excerpt_lines_missing(page, example)
+    printed = _printed(_run_example(example.read_text(), tmp_path))
+    assert printed == ["stopped at epoch 1, micro-batch 8", "the resumed run loaded 32 samples",
+                       "same parameters as the uninterrupted run: True"]
+    assert all(f"`{line}`" in page.read_text() for line in printed)
+
+
+def _run_on_two_ranks(code: str, tmp_path: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``code`` as ``example.py`` in an empty directory, run as the page says: torchrun --nproc-per-node 2."""
+    (tmp_path / "example.py").write_text(code)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+TWO_RANK_PAGES = ("fsdp.md", "deepspeed.md", "training.md")
+
+
+@pytest.mark.parametrize("page", TWO_RANK_PAGES)
+def test_the_two_rank_examples_are_whole_scripts_the_page_says_how_to_run(page):
+    """The fast tier's check of the pages whose script needs torchrun (run by the slow tests below): the block is a
+    whole script (it parses, imports what it uses, sets up its process group) and the text gives the command."""
+    text = (ROOT / "docs" / page).read_text()
+    assert "(a complete script: `torchrun --nproc-per-node 2 example.py` on CPU, gloo):\n\n```python" in text
+    (code,) = [block for block in _python_blocks(ROOT / "docs" / page) if "init_process_group" in block]
+    compile(code, page, "exec")
+    assert code.startswith("import ") and 'dist.init_process_group("gloo")\nmain()\n' in code
+
+
+@pytest.mark.slow
+def test_the_fsdp_example_shards_the_model_and_steps_on_its_schedule(tmp_path):
+    """docs/fsdp.md: 8 epochs of 4 micro-batches per rank, {0: 1, 5: 2}: 5 x 4 + 3 x 2 optimizer steps on both
+    ranks, and each rank holds a part of the 833 parameter elements, the parts adding up to the whole."""
+    (code,) = _python_blocks(ROOT / "docs" / "fsdp.md")
+    done = _run_on_two_ranks(code, tmp_path)
+    lines = sorted(line for line in _printed(done) if line.startswith("rank "))
+    held = [int(line.split("holds ")[1].split(" of")[0]) for line in lines]
+    assert [line.split(" holds")[0] for line in lines] == ["rank 0: 26 optimizer steps,", "rank 1: 26 optimizer steps,"]
+    assert all("of 833 parameter elements" in line for line in lines) and sum(held) == 833 and 0 < min(held), lines
+    assert f"({held[0]} and {held[1]} here" in (ROOT / "docs" / "fsdp.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_deepspeed_example_steps_on_its_schedule_and_consolidates(tmp_path):
+    """docs/deepspeed.md: ZeRO-2 on 2 ranks, 4 micro-batches per rank and epoch, {0: 1, 5: 2, 10: 4} over 12
+    epochs: 5 x 4 + 5 x 2 + 2 x 1 optimizer steps; rank 0's consolidated state_dict has the plain model's keys."""
+    pytest.importorskip("deepspeed")
+    (code,) = _python_blocks(ROOT / "docs" / "deepspeed.md")
+    lines = [line for line in _printed(_run_on_two_ranks(code, tmp_path)) if "optimizer steps" in line]
+    assert lines == ["32 optimizer steps; state_dict: ['0.bias', '0.weight', '2.bias', '2.weight']"]
+
+
+@pytest.mark.slow
+def test_the_compile_example_saves_the_bare_modules_keys(tmp_path):
+    """docs/training.md: torch.compile inside DDP on 2 ranks, {0: 1, 2: 2, 4: 4} over 6 epochs of 4 micro-batches:
+    8 + 4 + 2 optimizer steps, and model.pt's keys carry no _orig_mod. prefix."""
+    (code,) = [b for b in _python_blocks(ROOT / "docs" / "training.md") if "torch.compile" in b]
+    lines = [line for line in _printed(_run_on_two_ranks(code, tmp_path)) if "optimizer steps" in line]
+    assert lines == ["14 optimizer steps; model.pt keys: ['0.bias', '0.weight', '2.bias', '2.weight']"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["example.py", "model.pt"]
+
+
+@pytest.mark.slow
+def test_the_hf_export_example_opens_what_hf_tiny_wrote(tmp_path):
+    """docs/hf.md: after `accum-sched run configs/hf_tiny.yaml` (here one epoch, its outputs in the empty directory
+    the script then runs in), the script opens runs/hf_tiny/hf, finds its 53 model.pt tensors equal, and writes
+    on from "The "."""
+    pytest.importorskip("transformers")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, "-m", "launcher", "run", "configs/hf_tiny.yaml", "--set", "run.epochs=1",
+                          "--set", f"run.output_dir={tmp_path / 'runs' / 'hf_tiny'}"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (code,) = _python_blocks(ROOT / "docs" / "hf.md")
+    printed = _printed(_run_example(code, tmp_path))
+    assert printed[0] == "53 tensors of model.pt, all equal in hf/: True"
+    assert printed[1].startswith("'The ") and len(printed) == 2, printed
+
+
+def test_the_backend_interface_excerpt_is_the_example_that_runs(tmp_path):
+    """docs/backends.md shows the heart of examples/drive_a_backend.py, which drives a back end through one window
+    in the engine's order; run in an empty directory, its step equals plain torch's large-batch SGD step."""
+    page, example = ROOT / "docs" / "backends.md", ROOT / "examples" / "drive_a_backend.py"
+    assert "Runnable as `python examples/drive_a_backend.py`" in page.read_text()
+    assert not _excerpt_lines_missing(page, example)
+    printed = _printed(_run_example(example.read_text(), tmp_path))
+    assert printed[0].startswith("window totals: 10 elements, 10 samples, loss sum ")
+    assert printed[1:] == ["one optimizer step equals the large-batch reference: True",
+                           "gradient cleared after the step: True"]
+    assert f"`{printed[1]}`" in page.read_text()
+
+
+def test_the_yaml_examples_pass_accum_sched_check(tmp_path, monkeypatch, capsys):
+    """README.md's config is whole: `accum-sched check` takes it as written. Every other ```yaml block on a page is
+    a few sections of a config: each section replaces configs/demo.yaml's and `check` takes the result (the files
+    the stream example names exist in the directory it runs in, configs/ is the project's)."""
+    import yaml
+
+    from launcher.cli import main
+
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("a line of text\n")
+    (tmp_path / "data" / "extra.jsonl").write_text('{"text": "another"}\n')
+    monkeypatch.chdir(tmp_path)
+    (readme_config,) = _python_blocks(ROOT / "README.md", "yaml")
+    (tmp_path / "readme.yaml").write_text(readme_config)
+    assert main(["check", "readme.yaml", "--batches-per-epoch", "32"]) == 0, capsys.readouterr()
+    demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    refused = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for number, block in enumerate(_python_blocks(page, "yaml")):
+            (tmp_path / "snippet.yaml").write_text(yaml.safe_dump({**demo, **yaml.safe_load(block)}))
+            capsys.readouterr()
+            if main(["check", "snippet.yaml", "--batches-per-epoch", "8"]) != 0:
+                refused.append(f"{page.name} yaml block {number + 1}: {capsys.readouterr().err.strip()}")
+    assert not refused, "\n".join(refused)
+
+
+# Every ```python block of the documentation and the test above that runs it (or checks it line by line against the
+# example file that one runs): a block added to a page must be added here, with its test.
+PYTHON_BLOCKS = {
+    "README.md": 1, "guide.md": 1,  # examples/own_loop.py's excerpt (tests/test_examples.py runs the file)
+    "lightning.md": 1, "data.md": 1, "adaptive.md": 1, "fsdp.md": 1, "deepspeed.md": 1, "training.md": 1,
+    "hf.md": 1,  # whole scripts
+    "resume.md": 1, "backends.md": 1,  # excerpts of examples/resume_own_loop.py, examples/drive_a_backend.py
+}
+
+
+def test_every_python_block_is_one_a_test_runs():
+    found = {page.name: len(_python_blocks(page)) for page in _pages() if _python_blocks(page)}
+    assert found == PYTHON_BLOCKS, "a python block no test runs: add a test for it (whole script or excerpt)"
