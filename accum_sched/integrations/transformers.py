@@ -24,8 +24,11 @@ from typing import Any
 
 import torch
 from transformers import Trainer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from accum_sched.engine import AccumulationEngine
+from accum_sched.planning import simulate_windows
 from accum_sched.schedule import AccumulationSchedule
 
 STATE_FILE = "accum_sched_state-{rank}.pt"
@@ -133,8 +136,6 @@ class AccumulationTrainer(Trainer):
 
     def _epochs_for(self, batches: int, max_steps: int, per_step: dict) -> int:
         """Epochs it takes the schedule to reach ``max_steps`` optimizer steps."""
-        from accum_sched.planning import simulate_windows
-
         steps = 0
         for epoch, _, _ in simulate_windows(self.accumulation_schedule, batches, max_steps, **per_step):
             steps += 1
@@ -144,8 +145,6 @@ class AccumulationTrainer(Trainer):
 
     # -- the engine, on the objects the Trainer prepared ---------------------------------------------------------
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        from accum_sched.engine import AccumulationEngine
-
         model, loader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         self.engine = AccumulationEngine(model, _TrainerSteps(self.optimizer), self.accumulation_schedule,
                                          uneven="error")
@@ -228,8 +227,6 @@ class AccumulationTrainer(Trainer):
 
     def _shifts_labels(self) -> bool:
         if self.causal_lm is None:
-            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
             name = type(self.accelerator.unwrap_model(self.model)).__name__
             self.causal_lm = name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() or bool(self._loss_shifts_labels)
         return self.causal_lm
