@@ -23,7 +23,7 @@ import os
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -56,11 +56,21 @@ class _TrainerSteps:
 class _Window:
     """One optimizer step's micro-batches, read from the engine's generator by ``training_step``."""
 
-    def __init__(self, source, first):
-        self.source, self.first = source, first
+    def __init__(self, source, first, loader):
+        self.source, self.first, self.loader = source, first, loader
         self.next = _END  # the next window's first micro-batch (taken to close this window), or _END
         self.batches: list = []  # the prepared micro-batches, for the Trainer's FLOP and token counts
         self.done = False
+
+
+class _EpochProgress(TrainerCallback):
+    """Puts the engine's epoch position in ``state.epoch`` after each step (what the Trainer logs)."""
+
+    def __init__(self, trainer: AccumulationTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        state.epoch = self.trainer._epoch_progress
 
 
 class _WindowLoader:
@@ -112,6 +122,8 @@ class AccumulationTrainer(Trainer):
         self._resume_state: dict | None = None
         self._snapshot: dict | None = None  # the engine's state after its last window (what a checkpoint saves)
         self._windows_in_epoch = 0
+        self._epoch_progress = 0.0
+        self.add_callback(_EpochProgress(self))
 
     # -- the step total ------------------------------------------------------------------------------------------
     def set_initial_training_values(self, args, dataloader):
@@ -166,7 +178,7 @@ class AccumulationTrainer(Trainer):
         source = engine.micro_batches(loader, epoch)  # on resume it reads and drops what was trained
         batch = next(source, _END)
         while batch is not _END:
-            window = _Window(source, batch)
+            window = _Window(source, batch, loader)
             yield window
             if not window.done:
                 raise RuntimeError("accum_sched: the Trainer took a window without training it")
@@ -198,6 +210,8 @@ class AccumulationTrainer(Trainer):
             if batch is _END or engine.optimizer_steps != steps:
                 break
         window.next, window.done = batch, True
+        # the Trainer's epoch fraction counts its steps as micro-batches; the engine knows where the epoch stands
+        self._epoch_progress = engine.epoch_index + engine.resume_offset(engine.epoch_index) / len(window.loader)
         info = engine.last_step
         if info.skipped:  # no elements, or a non-finite loss: the Trainer's step after this one moves nothing
             model.zero_grad(set_to_none=True)

@@ -72,3 +72,25 @@ def test_fsdp2_every_rank_matches_the_reference(tmp_path, reference):
         assert got["per_sync"] >= 1
         assert got["reduce_scatters"] == got["per_sync"] * 13, (got["reduce_scatters"], got["per_sync"])
         assert got["allreduces"] == 0
+
+
+@pytest.mark.slow
+def test_documented_example_runs():
+    """docs/accelerate.md's example, as documented (torchrun, 2 workers): factors 1, 2, 4, 4 over 7 micro-batches
+    per rank and epoch step 7 + 4 + 2 + 2 times, the total its LR scheduler was given."""
+    root = os.path.dirname(TESTS)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "examples/accelerate_loop.py"], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root})
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [line.split("optimizer steps ")[1] for line in done.stdout.splitlines() if line.startswith("epoch")]
+    assert steps[-1].startswith("15 of 15"), done.stdout[-2000:]
+    assert [s.split(" of")[0] for s in steps] == ["7", "11", "13", "15"]
+
+
+def test_import_accum_sched_imports_neither_accelerate_nor_transformers():
+    code = ("import sys, accum_sched, accum_sched.integrations; "
+            "print(sorted(m for m in ('accelerate', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.path.dirname(TESTS)})
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

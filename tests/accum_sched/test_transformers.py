@@ -91,3 +91,15 @@ def test_refused_settings_say_what_to_use(tmp_path, setting, words):
                             train_dataset=ref.Sequences(), data_collator=ref.collate, accumulation_schedule={1: 2})
     message = str(caught.value)
     assert "\n" not in message and all(word in message for word in words), message
+
+
+@pytest.mark.slow
+def test_documented_example_runs():
+    """docs/transformers.md's example, as documented: torchrun, 2 workers; 7 micro-batches per rank and epoch at
+    factors 1, 2, 4, 4 take 7 + 4 + 2 + 2 optimizer steps, the LR scheduler's total, decayed to 0."""
+    root = os.path.dirname(TESTS)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "examples/hf_trainer.py"], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "optimizer steps 15, LR total 15, final lr 0" in done.stdout, done.stdout[-2000:]
