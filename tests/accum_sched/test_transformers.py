@@ -26,7 +26,7 @@ def results(tmp_path_factory):
     variants = ("accum", "resumed", "callback")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ref.WORLD),
                os.path.join(TESTS, "transformers_tasks.py"), str(out), *variants]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {v: [torch.load(out / f"{v}-{rank}.pt") for rank in range(ref.WORLD)] for v in variants}
 
