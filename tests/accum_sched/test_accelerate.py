@@ -80,7 +80,7 @@ def test_documented_example_runs():
     per rank and epoch step 7 + 4 + 2 + 2 times, the total its LR scheduler was given."""
     root = os.path.dirname(TESTS)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "examples/accelerate_loop.py"], cwd=root, capture_output=True, text=True, timeout=300,
+                           "examples/accelerate_loop.py"], cwd=root, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root})
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [line.split("optimizer steps ")[1] for line in done.stdout.splitlines() if line.startswith("epoch")]

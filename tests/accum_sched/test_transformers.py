@@ -99,7 +99,7 @@ def test_documented_example_runs():
     factors 1, 2, 4, 4 take 7 + 4 + 2 + 2 optimizer steps, the LR scheduler's total, decayed to 0."""
     root = os.path.dirname(TESTS)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "examples/hf_trainer.py"], cwd=root, capture_output=True, text=True, timeout=300,
+                           "examples/hf_trainer.py"], cwd=root, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "optimizer steps 15, LR total 15, final lr 0" in done.stdout, done.stdout[-2000:]
