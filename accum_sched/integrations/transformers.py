@@ -183,8 +183,6 @@ class AccumulationTrainer(Trainer):
             if not window.done:
                 raise RuntimeError("accum_sched: the Trainer took a window without training it")
             batch = window.next
-        self._windows_in_epoch = 0
-        self._snapshot = {"engine": engine.state_dict(), "windows_in_epoch": 0}
 
     # -- one window per Trainer step -----------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -210,6 +208,9 @@ class AccumulationTrainer(Trainer):
             if batch is _END or engine.optimizer_steps != steps:
                 break
         window.next, window.done = batch, True
+        if batch is _END:  # the epoch is over (the engine is at the next one): a checkpoint now resumes there
+            self._windows_in_epoch = 0
+            self._snapshot = {"engine": engine.state_dict(), "windows_in_epoch": 0}
         # the Trainer's epoch fraction counts its steps as micro-batches; the engine knows where the epoch stands
         self._epoch_progress = engine.epoch_index + engine.resume_offset(engine.epoch_index) / len(window.loader)
         info = engine.last_step
