@@ -103,3 +103,26 @@ def test_documented_example_runs():
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "optimizer steps 15, LR total 15, final lr 0" in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_resume_at_an_epoch_end_with_random_sampling(tmp_path):
+    """One process, the Trainer's default random sampler: a checkpoint saved at the last step of epoch 0 (14
+    micro-batches at factor 1) resumes at epoch 1 and ends at the uninterrupted run's weights."""
+    from accum_sched.integrations.transformers import AccumulationTrainer
+    from transformers_tasks import arguments
+
+    def trainer(**overrides):
+        args = arguments(str(tmp_path), train_sampling_strategy="random", **overrides)
+        return AccumulationTrainer(model=ref.make_model(), args=args, train_dataset=ref.Sequences(),
+                                   data_collator=ref.collate, accumulation_schedule=ref.SCHEDULE)
+
+    full = trainer(save_strategy="steps", save_steps=14)
+    full.train()
+    resumed = trainer()
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-14"))
+    assert full.state.global_step == resumed.state.global_step == 14 + 7 + 4
+    moved = dict(full.model.named_parameters())
+    assert ref.gap(moved, {n: p for n, p in ref.make_model().named_parameters()}) > 1e-2
+    for name, p in resumed.model.named_parameters():
+        torch.testing.assert_close(p, moved[name], atol=1e-6, rtol=1e-5)
