@@ -1,0 +1,96 @@
+"""accum_sched.integrations.accelerate.make_engine under torchrun (2 gloo CPU ranks): a tiny GPT-2 on padded
+sequences, schedule {1: 2, 2: 4} over epochs of 7 micro-batches per rank (partial windows of 1 and 3), on the objects
+accelerator.prepare returned, against the plain-torch large-batch reference of tests/hf_reference.py; under
+Accelerate's DDP (and its own accumulate() with a mutated factor, which must miss) and its FSDP2 plugin."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_reference as ref
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launch(out, variants) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(TESTS), TESTS]), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ref.WORLD),
+               os.path.join(TESTS, "accelerate_tasks.py"), str(out), *variants]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {v: [torch.load(out / f"{v}-{rank}.pt") for rank in range(ref.WORLD)] for v in variants}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return ref.reference()
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("accelerate"), ("ddp", "mutated"))
+
+
+def _assert_reference(runs, params, steps):
+    assert ref.gap({n: p for n, p in ref.make_model().named_parameters()}, params) > 1e-2  # training moved it
+    for rank, got in enumerate(runs):
+        for name, r in params.items():
+            torch.testing.assert_close(got["params"][name], r, atol=1e-6, rtol=1e-5,
+                                       msg=lambda m, rank=rank, name=name: f"rank {rank} {name}: {m}")
+        assert got["steps"] == got["lr_steps"] == steps == 13  # the prepared scheduler stepped once per step
+
+
+def test_ddp_every_rank_matches_the_reference(ddp, reference):
+    params, steps = reference
+    _assert_reference(ddp["ddp"], params, steps)
+    for got in ddp["ddp"]:  # 42 micro-batches per rank: only the boundary ones all-reduced
+        assert got["allreduces"] == 13
+
+
+def test_accumulate_with_a_mutated_factor_misses_the_reference(ddp, reference):
+    """The check above can fail: accumulate() divides a partial window by the configured factor, and averages
+    per-micro-batch means; its prepared scheduler steps once per process per optimizer step."""
+    params, _ = reference
+    for got in ddp["mutated"]:
+        assert ref.gap(got["params"], params) > 1e-3
+        assert got["steps"] == 13 and got["lr_steps"] == 26
+
+
+@pytest.mark.slow
+def test_fsdp2_every_rank_matches_the_reference(tmp_path, reference):
+    params, steps = reference
+    runs = launch(tmp_path, ("fsdp2",))["fsdp2"]
+    _assert_reference(runs, params, steps)
+    for got in runs:  # the reduce-scatters of one gradient sync per optimizer step, none off the boundary
+        assert got["per_sync"] >= 1
+        assert got["reduce_scatters"] == got["per_sync"] * 13, (got["reduce_scatters"], got["per_sync"])
+        assert got["allreduces"] == 0
+
+
+@pytest.mark.slow
+def test_documented_example_runs():
+    """docs/accelerate.md's example, as documented (torchrun, 2 workers): factors 1, 2, 4, 4 over 7 micro-batches
+    per rank and epoch step 7 + 4 + 2 + 2 times, the total its LR scheduler was given."""
+    root = os.path.dirname(TESTS)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "examples/accelerate_loop.py"], cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root})
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [line.split("optimizer steps ")[1] for line in done.stdout.splitlines() if line.startswith("epoch")]
+    assert steps[-1].startswith("15 of 15"), done.stdout[-2000:]
+    assert [s.split(" of")[0] for s in steps] == ["7", "11", "13", "15"]
+
+
+def test_import_accum_sched_imports_neither_accelerate_nor_transformers():
+    code = ("import sys, accum_sched, accum_sched.integrations; "
+            "print(sorted(m for m in ('accelerate', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.path.dirname(TESTS)})
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
