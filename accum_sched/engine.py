@@ -255,7 +255,7 @@ class AccumulationEngine:
         self._prescale = self._window_prescale(size)
         self._prescale_size = size
         saved, self.window.saved_multiplier = self.window.saved_multiplier, None
-        if saved is not None and saved and saved != self._prescale:  # a resumed open window: its gradients' scale
+        if saved and saved != self._prescale:  # a resumed open window: bring its gradients to this multiplier
             scale_gradients(self.backend.local_grad_tensors(), self._prescale / saved)
 
     def _micro_batch(self, batch, boundary: bool) -> Iterator:
