@@ -1,7 +1,8 @@
 """accum_sched: scheduled gradient accumulation for distributed PyTorch, exact and in lockstep.
 
 ``AccumulationSchedule`` says which factor applies where; ``AccumulationEngine`` applies it to a plain module, a
-DistributedDataParallel module or a DeepSpeed engine. Importing this package never imports DeepSpeed.
+DistributedDataParallel module, an FSDP2 (``fully_shard``) module or a DeepSpeed engine. Importing this package never
+imports torch, DeepSpeed or FSDP2.
 """
 from accum_sched.schedule import AccumulationSchedule, Position
 

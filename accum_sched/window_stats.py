@@ -10,6 +10,7 @@ device numbers (a loss, an element count that is a tensor) are used where they a
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -78,3 +79,32 @@ def decode(values: list[float]) -> WindowTotals:
                         stop=values[6] > 0, loss=loss,
                         nonfinite=loss != loss or abs(loss) == float("inf"),
                         grad_norm=None if squared is None else squared ** 0.5)
+
+
+def read(backend, want_norm: bool) -> WindowTotals:
+    """The window's numbers summed over ranks, and its gradient norm if ``want_norm``, from ``backend``'s
+    :meth:`~accum_sched.backends.Backend.window_totals`: the one host transfer of an optimizer step."""
+    stats, squared_norm = backend.window_totals(want_norm)
+    values = stats if stats.dim() == 1 else stats.reshape(-1)
+    if squared_norm is not None:
+        values = torch.cat([values.to(torch.float64), squared_norm.reshape(1).to(values.device, torch.float64)])
+    return decode(values.tolist())  # the host sync of this optimizer step
+
+
+def verdict(totals: WindowTotals, backend, nonfinite: str, epoch: int, step: int) -> tuple[bool, bool, float | None]:
+    """(skip the step, an fp16 overflow, this window's loss scale); raises FloatingPointError under
+    ``nonfinite='raise'`` for a non-finite loss or gradient that is not an fp16 overflow.
+
+    Every rank holds the same summed numbers and the same reduced gradient, so every rank reaches the same verdict
+    without another collective. fp16: a non-finite gradient is how dynamic loss scaling works, not an error: skip,
+    back the scale off, never raise.
+    """
+    bad = totals.nonfinite or (totals.grad_norm is not None and not math.isfinite(totals.grad_norm))
+    scaler = backend.scaler
+    # before update(): this window's scale; a back end's own fp16 scaling (DeepSpeed) counts alike
+    loss_scale = backend.native_loss_scale() if scaler is None else float(scaler.get_scale())
+    overflow = bad and loss_scale is not None
+    if bad and nonfinite == "raise" and not overflow:
+        raise FloatingPointError(f"non-finite loss or gradient at epoch {epoch}, step {step} (nonfinite='raise'; "
+                                 f"use nonfinite='skip' to skip such steps)")
+    return bad or totals.elements == 0, overflow, loss_scale

@@ -53,14 +53,14 @@ def partial_divisor_rank1(module) -> None:
 def late_boundary(module) -> None:
     """(b) Off by one: every window takes one micro-batch more, so each step comes one micro-batch late."""
     _rewrite(module.AccumulationEngine, "micro_batches", module,
-             "size = min(factor, total - consumed)", "size = min(factor + 1, total - consumed)")
+             "min(factor, total - consumed)", "min(factor + 1, total - consumed)")
 
 
 def forward_outside_no_sync(module) -> None:
     """(c) Only the backward runs in the back end's sync context: under DDP the forward of a non-boundary
     micro-batch, outside ``no_sync()``, arms the reducer, so every micro-batch all-reduces."""
     engine = module.AccumulationEngine
-    _rewrite(engine, "micro_batches", module,
+    _rewrite(engine, "_micro_batch", module,
              "with self.backend.sync_context(boundary):", "with contextlib.nullcontext():")
     original = engine.backward
 

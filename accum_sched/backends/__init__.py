@@ -3,7 +3,7 @@
 =================  ==========================================================================================
 module             what
 =================  ==========================================================================================
-``base``           :class:`Backend` (the interface), :class:`Capabilities`, :class:`BackendOptions`
+``base``           :class:`Backend` (the interface), :class:`Capabilities`
 ``registry``       :func:`make_backend`, the ordered table of back ends and their "is this model mine?"
 ``detect``         those predicates, import-free (DeepSpeed by name, FSDP2 through ``sys.modules``)
 ``torch_optim``    :class:`TorchBackend`: gradients in ``.grad``, a torch optimizer (base of the next three)
@@ -16,14 +16,13 @@ module             what
 
 See docs/backends.md. Importing this package imports neither DeepSpeed nor FSDP2.
 """
-from accum_sched.backends.base import Backend, BackendOptions, Capabilities
+from accum_sched.backends.base import Backend, Capabilities
 from accum_sched.backends.detect import is_deepspeed_engine
 from accum_sched.backends.registry import REGISTRY, backend_class, make_backend
 
 __all__ = [
            "REGISTRY",
            "Backend",
-           "BackendOptions",
            "Capabilities",
            "backend_class",
            "is_deepspeed_engine",

@@ -61,28 +61,31 @@ class Capabilities:
             raise ValueError(f"Capabilities.noise_scale={self.noise_scale!r} is not one of {', '.join(NOISE_PROBES)}")
 
 
-@dataclass(frozen=True)
-class BackendOptions:
-    """The engine's settings a back end may need at construction (the same object for every back end)."""
+PRECISIONS = ("fp32", "bf16", "fp16")
 
-    precision: str = "fp32"  # "fp32", "bf16" or "fp16" (see Capabilities.fp16)
-    count_allreduce: bool = True  # DDP: count gradient all-reduce rounds with the engine's comm hook
-    gradient_sync: str = "boundary"  # FSDP2 only: "boundary", "every_micro_batch" or "reduce_scatter"
-    keep_gathered: bool = False  # FSDP2 only: parameters stay gathered across a window's micro-batches
+
+def check_precision(precision: str) -> str:
+    """``precision`` if it is one the back ends know (one ValueError line otherwise)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+    return precision
 
 
 class Backend(abc.ABC):
-    """How gradients meet, for one kind of model. Constructed by :func:`accum_sched.backends.make_backend` as
-    ``cls(model, optimizer, lr_scheduler, options)``; raises ValueError (one line, with a hint) for what it refuses.
+    """How gradients meet, for one kind of model. Constructed as ``cls(model, optimizer, lr_scheduler, *,
+    precision=..., <its own options>)``, by the caller (``AccumulationEngine(..., backend=...)``) or by
+    :func:`accum_sched.backends.make_backend`; raises ValueError (one line, with a hint) for what it refuses. Each
+    class takes its own options as keywords: shared code knows only ``precision``.
 
-    Attributes every back end sets: ``world_size`` (ranks the gradient is reduced over), ``averages_over_world``
-    (the gradient collective divides by the world size, so the engine multiplies by it), ``stats_dtype`` (dtype the
-    window's numbers are encoded in, :mod:`accum_sched.window_stats`), ``scaler`` (a torch GradScaler or None) and
-    ``capabilities``.
+    Attributes every back end sets: ``precision`` (the engine's autocast follows it), ``world_size`` (ranks the
+    gradient is reduced over), ``averages_over_world`` (the gradient collective divides by the world size, so the
+    engine multiplies by it), ``stats_dtype`` (dtype the window's numbers are encoded in,
+    :mod:`accum_sched.window_stats`), ``scaler`` (a torch GradScaler or None) and ``capabilities``.
     """
 
     #: A short human name for messages ("DDP", "FSDP2").
     name: str = "back end"
+    precision: str = "fp32"
     capabilities: Capabilities
     world_size: int = 1
     averages_over_world: bool = False
@@ -193,4 +196,4 @@ def module_device(model) -> torch.device:
     return torch.device("cpu")
 
 
-__all__ = ["Backend", "BackendOptions", "Capabilities", "module_device"]
+__all__ = ["PRECISIONS", "Backend", "Capabilities", "check_precision", "module_device"]

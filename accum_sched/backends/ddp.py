@@ -10,9 +10,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accum_sched import collective
 from accum_sched.backends import ddp_hook
-from accum_sched.backends.base import BackendOptions
 from accum_sched.backends.ddp_hook import HookState, HookTakenOver
-from accum_sched.backends.detect import refuse_fsdp_submodules, refuse_gradient_sync
+from accum_sched.backends.detect import refuse_fsdp_submodules
 from accum_sched.backends.torch_optim import TorchBackend
 from accum_sched.step_rules import NO_CONTEXT
 
@@ -30,12 +29,10 @@ class DDPBackend(TorchBackend):
     capabilities = dataclasses.replace(TorchBackend.capabilities, noise_scale="buckets")
     averages_over_world = True
 
-    def __init__(self, model: DistributedDataParallel, optimizer, lr_scheduler=None,
-                 options: BackendOptions | None = None):
-        options = options or BackendOptions()
-        refuse_gradient_sync(options.gradient_sync)
+    def __init__(self, model: DistributedDataParallel, optimizer, lr_scheduler=None, *, precision: str = "fp32",
+                 count_allreduce: bool = True):
         refuse_fsdp_submodules(model)
-        super().__init__(model, optimizer, lr_scheduler, options)
+        super().__init__(model, optimizer, lr_scheduler, precision=precision)
         if getattr(model, "static_graph", False):
             raise ValueError("DistributedDataParallel(static_graph=True) is not supported: static_graph records the "
                              "first iterations' reduction order and breaks under no_sync() accumulation; "
@@ -46,7 +43,7 @@ class DDPBackend(TorchBackend):
         self._base = (0, 0)  # the hook's (rounds, bytes) when this back end took it (a later engine on the model)
         # the hook of an earlier engine on this model stays registered (DDP cannot remove it) and sums without
         # dividing: this engine must drive it even with count_allreduce=False, or its gradients would be world x
-        if options.count_allreduce or ddp_hook.installed(model):
+        if count_allreduce or ddp_hook.installed(model):
             try:
                 # DDP takes one comm hook per module for good: an engine built on a model that an earlier engine
                 # drove takes that engine's hook over (ddp_hook.install); the earlier engine refuses further use

@@ -42,7 +42,7 @@ import torch
 
 from accum_sched import collective
 from accum_sched.backends import deepspeed_window
-from accum_sched.backends.base import Backend, BackendOptions, Capabilities
+from accum_sched.backends.base import Backend, Capabilities, check_precision
 from accum_sched.step_rules import NO_CONTEXT, gradient_scale, scale_gradients, scaled_lr, squared_norm
 
 
@@ -85,7 +85,8 @@ class DeepSpeedBackend(Backend):
         lr_scheduler: None, or a scheduler DeepSpeed does not know about (we step it once per optimizer step). A
             scheduler given to ``deepspeed.initialize`` (or from the JSON's ``scheduler`` section) is stepped by
             DeepSpeed itself.
-        options: the engine's settings; DeepSpeed's JSON decides precision (its own loss scaler under fp16).
+        precision: what the engine's autocast runs the forward in; DeepSpeed's JSON decides the weights' precision
+            (its own loss scaler under fp16; the launcher checks that both say the same).
     """
 
     name = "DeepSpeed"
@@ -94,7 +95,8 @@ class DeepSpeedBackend(Backend):
     # boundary. The noise scale reads .grad after the window's last backward (ZeRO-0 in fp32, noise_params).
     capabilities = Capabilities(stop_mid_window=False, prescale=True, fp16="native", noise_scale="accumulated_grad")
 
-    def __init__(self, ds_engine, optimizer=None, lr_scheduler=None, options: BackendOptions | None = None):
+    def __init__(self, ds_engine, optimizer=None, lr_scheduler=None, *, precision: str = "fp32"):
+        self.precision = check_precision(precision)
         self.ds = ds_engine
         opt = getattr(ds_engine, "optimizer", None)
         if opt is None or type(opt).__name__ == "DummyOptim":

@@ -40,11 +40,4 @@ def refuse_fsdp_submodules(model) -> None:
                          "it to the root too (fully_shard(model)) after its blocks")
 
 
-def refuse_gradient_sync(gradient_sync: str) -> None:
-    """gradient_sync chooses between FSDP2's two modes; any other back end syncs at the boundary only."""
-    if gradient_sync != "boundary":
-        raise ValueError(f"gradient_sync={gradient_sync!r} applies to FSDP2 models only (fully_shard)")
-
-
-__all__ = ["fsdp_module_class", "is_ddp", "is_deepspeed_engine", "is_fsdp2_root", "refuse_fsdp_submodules",
-           "refuse_gradient_sync"]
+__all__ = ["fsdp_module_class", "is_ddp", "is_deepspeed_engine", "is_fsdp2_root", "refuse_fsdp_submodules"]

@@ -42,7 +42,6 @@ import dataclasses
 import torch
 
 from accum_sched import collective
-from accum_sched.backends.base import BackendOptions
 from accum_sched.backends.torch_optim import TorchBackend
 from accum_sched.step_rules import squared_norm
 
@@ -67,8 +66,11 @@ class FSDPBackend(TorchBackend):
     Args:
         model: the root module, on which ``fully_shard`` was applied (after its blocks, if any).
         optimizer: a torch optimizer built on ``model.parameters()`` *after* sharding (DTensor parameters).
-        options: ``gradient_sync`` (``"boundary"``, ``"every_micro_batch"`` or ``"reduce_scatter"``) and
-            ``keep_gathered`` (see the module docstring).
+        precision: ``"fp32"`` or ``"bf16"`` (fp16's GradScaler is refused, see ``capabilities``).
+        count_allreduce: accepted for the torch back ends' common spelling; the reduce-scatter rounds are always
+            counted (:attr:`allreduce_rounds`).
+        gradient_sync: ``"boundary"`` (default), ``"every_micro_batch"`` or ``"reduce_scatter"``, and
+        keep_gathered: (default False), see the module docstring.
     """
 
     name = "FSDP2"
@@ -80,17 +82,16 @@ class FSDPBackend(TorchBackend):
                                        noise_scale=None)
     averages_over_world = True
 
-    def __init__(self, model, optimizer, lr_scheduler=None, options: BackendOptions | None = None):
-        options = options or BackendOptions()
-        gradient_sync = options.gradient_sync
+    def __init__(self, model, optimizer, lr_scheduler=None, *, precision: str = "fp32", count_allreduce: bool = True,
+                 gradient_sync: str = "boundary", keep_gathered: bool = False):
         if gradient_sync not in SYNC_MODES:
             raise ValueError(f"gradient_sync={gradient_sync!r} is not one of {', '.join(SYNC_MODES)}")
-        if options.precision == "fp16":
+        if precision == "fp16":
             raise ValueError("precision='fp16' (GradScaler) is not supported with FSDP2; use bf16 autocast or "
                              "MixedPrecisionPolicy(param_dtype=torch.bfloat16)")
-        super().__init__(model, optimizer, lr_scheduler, options)
+        super().__init__(model, optimizer, lr_scheduler, precision=precision)
         self.gradient_sync = gradient_sync
-        self.keep_gathered = bool(options.keep_gathered)
+        self.keep_gathered = bool(keep_gathered)
         self.world_size = collective.world_size()
         self._modules = fsdp_modules(model)
         self.replicas, self._replica_rank = self._check_mesh()

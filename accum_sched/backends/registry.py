@@ -8,10 +8,11 @@ DeepSpeed nor FSDP2 is imported for a DDP or one-process model. Adding a back en
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from accum_sched.backends.base import Backend, BackendOptions
+from accum_sched.backends.base import Backend, check_precision
 from accum_sched.backends.detect import is_ddp, is_deepspeed_engine, is_fsdp2_root
 
 
@@ -44,14 +45,48 @@ def backend_class(model) -> type[Backend]:
     raise ValueError(f"no back end accepts a {type(model).__name__}")  # unreachable while "single" claims all
 
 
-def make_backend(model, optimizer=None, lr_scheduler=None, *, precision: str = "fp32", count_allreduce: bool = True,
-                 gradient_sync: str = "boundary", keep_gathered: bool = False) -> Backend:
-    """The back end for ``model``: a DeepSpeed engine, an FSDP2 root, a DDP module, or a plain module in one
-    process. ``precision="fp16"`` gives torch back ends a GradScaler; ``gradient_sync`` (FSDP2 only):
-    ``"boundary"``, ``"every_micro_batch"`` or ``"reduce_scatter"``, and ``keep_gathered``."""
-    options = BackendOptions(precision=precision, count_allreduce=count_allreduce, gradient_sync=gradient_sync,
-                             keep_gathered=keep_gathered)
-    return backend_class(model)(model, optimizer, lr_scheduler, options)
+def options_of(cls: type[Backend]) -> tuple[str, ...]:
+    """The keyword options a back end class takes (its keyword-only constructor parameters)."""
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    return tuple(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
-__all__ = ["REGISTRY", "Entry", "backend_class", "make_backend"]
+def check_options(cls: type[Backend], options: dict) -> None:
+    """One TypeError line for an option ``cls`` does not take, naming it, the back end and what it does take."""
+    allowed = options_of(cls)
+    for name in options:
+        if name not in allowed:
+            raise TypeError(f"{name}= is not an option of the {cls.name} back end ({cls.__name__}), chosen for this "
+                            f"model; it takes {', '.join(allowed)}")
+
+
+def make_backend(model, optimizer=None, lr_scheduler=None, **options) -> Backend:
+    """The back end for ``model`` (a DeepSpeed engine, an FSDP2 root, a DDP module, or a plain module in one
+    process), built with ``options``: ``precision`` for every back end, and the chosen class's own (DDP:
+    ``count_allreduce``; FSDP2: ``gradient_sync``, ``keep_gathered``). An option that class does not take is a
+    TypeError naming it."""
+    cls = backend_class(model)
+    check_options(cls, options)
+    return cls(model, optimizer, lr_scheduler, **options)
+
+
+def resolve_backend(model, optimizer, lr_scheduler, backend: Backend | None, precision: str | None,
+                    options: dict) -> Backend:
+    """The engine's back end: ``backend`` as the caller built it (then ``optimizer``, ``lr_scheduler`` and
+    ``options`` are its own and must not be given again, and ``precision``, if given, must be the one it was built
+    with), or the one :func:`make_backend` picks for ``model``, built with ``precision`` and ``options``."""
+    if backend is None:
+        if precision is not None:
+            options = {"precision": check_precision(precision), **options}
+        return make_backend(model, optimizer, lr_scheduler, **options)
+    given = [name for name, value in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)) if value is not None]
+    if given or options:
+        raise TypeError(f"{', '.join(given + list(options))} belong to the back end when backend= is given: pass "
+                        f"them to {type(backend).__name__}(...)")
+    if precision is not None and check_precision(precision) != backend.precision:
+        raise ValueError(f"precision={precision!r} but the back end was built with precision={backend.precision!r}: "
+                         f"give it once, to the back end")
+    return backend
+
+
+__all__ = ["REGISTRY", "Entry", "backend_class", "check_options", "make_backend", "options_of", "resolve_backend"]

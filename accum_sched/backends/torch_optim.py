@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from accum_sched.backends.base import Backend, BackendOptions, Capabilities, module_device
+from accum_sched.backends.base import Backend, Capabilities, check_precision, module_device
 from accum_sched.step_rules import NO_CONTEXT, gradient_scale, scale_gradients, scaled_lr, squared_norm
 
 
@@ -20,13 +20,13 @@ class TorchBackend(Backend):
     #: True when the gradient collective averages over ranks (DDP), so the engine multiplies by world size.
     averages_over_world = False
 
-    def __init__(self, model: torch.nn.Module, optimizer, lr_scheduler=None, options: BackendOptions | None = None):
+    def __init__(self, model: torch.nn.Module, optimizer, lr_scheduler=None, *, precision: str = "fp32"):
         if optimizer is None:
             raise ValueError("optimizer is required for a torch model (only a DeepSpeed engine brings its own)")
-        options = options or BackendOptions()
+        self.precision = check_precision(precision)
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         # fp16: a torch GradScaler ("cpu" works too, torch >= 2.3)
-        self.scaler = torch.amp.GradScaler(module_device(model).type) if options.precision == "fp16" else None
+        self.scaler = torch.amp.GradScaler(module_device(model).type) if precision == "fp16" else None
         self.world_size = 1
 
     @property

@@ -32,8 +32,8 @@ class Setup:
     ``module``: handed to the AccumulationEngine and used for evaluation (DDP wrapper, DeepSpeed engine, FSDP2
     root or the bare model). ``model``: the underlying torch module (state_dict, checkpoints). ``optimizer`` and
     ``lr_scheduler``: as the back end holds them (DeepSpeed's may be its ZeRO optimizer and its own scheduler).
-    ``engine_args``: the AccumulationEngine keywords the back end decides (``optimizer`` / ``lr_scheduler``, None
-    where DeepSpeed steps them; FSDP2's ``gradient_sync``).
+    ``engine_args``: the AccumulationEngine keywords the back end decides: ``backend``, the library back end it
+    built with its own options (which holds the optimizer and LR scheduler it steps).
     """
 
     module: Any

@@ -19,7 +19,11 @@ class DDPBackend(SingleProcessBackend):
         if world > 1:
             from torch.nn.parallel import DistributedDataParallel
 
+            from accum_sched.backends.ddp import DDPBackend as LibraryDDP  # torch: workers only
+
             setup.module = DistributedDataParallel(
                 model, device_ids=[device.index] if device.type == "cuda" else None,
                 find_unused_parameters=cfg.distributed.find_unused_parameters)
+            setup.engine_args["backend"] = LibraryDDP(setup.module, setup.optimizer, setup.lr_scheduler,
+                                                      precision=cfg.run.precision)
         return setup

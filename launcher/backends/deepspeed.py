@@ -429,8 +429,10 @@ class DeepSpeedBackend(LauncherBackend):
     def setup(self, cfg, model, make_optimizer: OptimizerFactory, device, world: int) -> Setup:
         optimizer, lr_scheduler = make_optimizer(model)  # replaced by the JSON's own sections, if it has them
         ds_engine, optimizer, lr_scheduler = initialize(cfg, model, optimizer, lr_scheduler, world)
+        from accum_sched.backends.deepspeed import DeepSpeedBackend as LibraryDeepSpeed  # torch: workers only
+
         return Setup(module=ds_engine, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                     engine_args={"optimizer": None, "lr_scheduler": None})  # DeepSpeed steps both
+                     engine_args={"backend": LibraryDeepSpeed(ds_engine, precision=cfg.run.precision)})
 
     def final_state_dict(self, setup: Setup, rank: int) -> dict | None:
         return consolidated_state_dict(setup.module)

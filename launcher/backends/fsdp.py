@@ -256,10 +256,13 @@ class FSDPBackend(LauncherBackend):
         compile_blocks(cfg, model)  # per block, before fully_shard (as torchtitan)
         root = shard(cfg, model, device)  # before the optimizer: fully_shard swaps the parameters for sharded ones
         optimizer, lr_scheduler = make_optimizer(root)
-        return Setup(module=root, model=root, optimizer=optimizer, lr_scheduler=lr_scheduler,  # the engine picks
-                     engine_args={"optimizer": optimizer, "lr_scheduler": lr_scheduler,  # its FSDP2 back end
-                                  "gradient_sync": cfg.distributed.fsdp["gradient_sync"],
-                                  "keep_gathered": cfg.distributed.fsdp["keep_gathered"]})
+        from accum_sched.backends.fsdp import FSDPBackend as LibraryFSDP  # torch: workers only
+
+        backend = LibraryFSDP(root, optimizer, lr_scheduler, precision=cfg.run.precision,
+                              gradient_sync=cfg.distributed.fsdp["gradient_sync"],
+                              keep_gathered=cfg.distributed.fsdp["keep_gathered"])
+        return Setup(module=root, model=root, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                     engine_args={"backend": backend})
 
     def final_state_dict(self, setup: Setup, rank: int) -> dict | None:
         return consolidated_state_dict(setup.model)

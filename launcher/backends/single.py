@@ -21,8 +21,13 @@ class SingleProcessBackend(LauncherBackend):
 
         compile_modules([model], options(cfg.run.compile))  # in place, before the DDP wrap (ddp.py)
         optimizer, lr_scheduler = make_optimizer(model)  # the module itself: no_decay matches its names
-        return Setup(module=model, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                     engine_args={"optimizer": optimizer, "lr_scheduler": lr_scheduler})
+        setup = Setup(module=model, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler)
+        if world == 1:  # on more ranks launcher/backends/ddp.py wraps the model and builds the DDP back end
+            from accum_sched.backends import single as library  # torch: workers only, never the config side
+
+            setup.engine_args["backend"] = library.SingleProcessBackend(model, optimizer, lr_scheduler,
+                                                                        precision=cfg.run.precision)
+        return setup
 
     def final_state_dict(self, setup: Setup, rank: int) -> dict | None:
         if rank != 0:

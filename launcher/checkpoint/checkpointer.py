@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from accum_sched import engine_state as engine_format
 from launcher.checkpoint import store
 from launcher.checkpoint.collective import CheckpointError, Ranks, must_see
 from launcher.checkpoint.data_position import EpochLoader, deal, global_order, redealt_loader, resume_position
@@ -170,16 +171,20 @@ class Checkpointer:
         """This rank's part of the resume from ``path``: every state file into its part. Returns the step."""
         state = self._load(os.path.join(path, store.STATE))
         self._load_model(state, path)
+        try:  # a trainer.pt of an earlier development version: one line, before anything is loaded into the run
+            engine_format.check_format(state["engine"])
+        except ValueError as exc:
+            raise CheckpointError(f"{os.path.join(path, store.STATE)}: {exc}") from None
         engine_state = self._resume_position(dict(state["engine"]), state.get("epoch_order"), manifest)
         if manifest.partial_window:
             engine_state["window"] = self._load(os.path.join(path, f"window-rank{self.rank}.pt"))["window"]
         self._load_engine(state, engine_state)
         if manifest.stream:  # this rank's loader position inside the epoch
             stream = self._load(os.path.join(path, f"stream-rank{self.rank}.pt"))["stream"]
-            self.parts["stream"].load_state_dict(stream, int(engine_state["micro_batch"]))
+            self.parts["stream"].load_state_dict(stream, int(engine_state["micro_in_epoch"]))
         step = int(engine_state["optimizer_steps"])
-        self.rng.plan(state["rng"], self._mid_epoch(engine_state, manifest), int(engine_state["epoch"]), step)
-        self._last_saved = store.step_dir(self.root, step, engine_state["micro_batch"]
+        self.rng.plan(state["rng"], self._mid_epoch(engine_state, manifest), int(engine_state["epoch_index"]), step)
+        self._last_saved = store.step_dir(self.root, step, engine_state["micro_in_epoch"]
                                           if manifest.partial_window else None)
         return step
 
@@ -209,7 +214,7 @@ class Checkpointer:
 
     def _mid_epoch(self, engine_state: dict, manifest: Manifest) -> bool:
         """Saved inside an epoch on this world size: the RNG replays that epoch's loader start (rng.RankRng)."""
-        micro = int(engine_state["micro_batch"])
+        micro = int(engine_state["micro_in_epoch"])
         within = manifest.stream or micro < manifest.batches_per_epoch  # a stream's epoch has no known length
         return manifest.world_size == self.world and 0 < micro and within
 
@@ -384,7 +389,8 @@ class Checkpointer:
         else:
             batches = self._epoch_batches if self._epoch_batches is not None else len(self._loader)
         return Manifest(
-            step=step, epoch=engine_state["epoch"], micro_batch=engine_state["micro_batch"], batches_per_epoch=batches,
+            step=step, epoch=engine_state["epoch_index"], micro_batch=engine_state["micro_in_epoch"],
+            batches_per_epoch=batches,
             world_size=self.world, factor_scale=self.plan.scale, micro_batch_size=self.cfg.data.micro_batch_size,
             config_hash=self.hash, config=store.training_config(self.cfg), reason=reason,
             **self.parts["backend"].manifest_entries(), skipped_steps=self.engine.skipped_steps,

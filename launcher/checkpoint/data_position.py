@@ -43,14 +43,14 @@ def resume_position(engine_state: dict, saved_order: dict | None, old_world: int
     order, over the new ranks (the engine then starts that epoch at micro-batch 0 of the re-dealt loader). An epoch
     re-dealt before keeps its order (``saved_order``, from trainer.pt); otherwise ``full_order(epoch)`` is the
     epoch's order as the old world dealt it (:func:`global_order`)."""
-    epoch, micro = int(engine_state["epoch"]), int(engine_state["micro_batch"])
+    epoch, micro = int(engine_state["epoch_index"]), int(engine_state["micro_in_epoch"])
     saved = None if saved_order is None or int(saved_order["epoch"]) != epoch else saved_order["indices"].tolist()
     if old_world != world and micro > 0:
         if micro >= batches_per_epoch:  # the epoch was complete: continue with the next one
-            engine_state["epoch"], engine_state["micro_batch"] = epoch + 1, 0
+            engine_state["epoch_index"], engine_state["micro_in_epoch"] = epoch + 1, 0
             return engine_state, None
         full = saved if saved is not None else full_order(epoch)
-        engine_state["micro_batch"] = 0
+        engine_state["micro_in_epoch"] = 0
         return engine_state, (epoch, full[old_world * micro * micro_batch_size:])
     if saved is not None:
         return engine_state, (epoch, saved)  # a re-dealt epoch, resumed on the same world

@@ -40,8 +40,11 @@ def test_every_registered_back_end_implements_the_interface():
         assert not inspect.isabstract(cls), f"{entry.name}: {sorted(cls.__abstractmethods__)} left abstract"
         assert isinstance(cls.capabilities, Capabilities), entry.name
         assert cls.name != Backend.name, f"{entry.name} has no name of its own for messages"
-        params = list(inspect.signature(cls.__init__).parameters)
-        assert params[2:5] == ["optimizer", "lr_scheduler", "options"], (entry.name, params)  # (self, model, ...)
+        params = inspect.signature(cls.__init__).parameters
+        assert list(params)[2:4] == ["optimizer", "lr_scheduler"], (entry.name, list(params))  # (self, model, ...)
+        own = [p for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        assert own and own[0].name == "precision" and own[0].default == "fp32", (entry.name, own)  # then its own
+        assert all(p.default is not inspect.Parameter.empty for p in own), (entry.name, own)  # each optional
         if cls.capabilities.stop_mid_window:  # the open-window methods are real, not the base's refusal
             for method in ("local_grads", "local_grad_tensors", "load_local_grads"):
                 assert getattr(cls, method) is not getattr(Backend, method), (entry.name, method)
@@ -103,6 +106,8 @@ def _choices(rank: int, world: int, out: str) -> None:
         "half_sharded": lambda: chosen(half),
         "fsdp_fp16": lambda: chosen(fully_shard(linear(), mesh=mesh), precision="fp16"),
         "ddp_every_micro_batch": lambda: chosen(DDP(linear()), gradient_sync="every_micro_batch"),
+        "engine_keep_gathered_on_ddp": lambda: AccumulationEngine(DDP(linear()), torch.optim.SGD(
+            linear().parameters(), lr=0.1), keep_gathered=True),
         "fsdp_noise": lambda: noise_engine(fully_shard(linear(), mesh=mesh)),
     }
     for name, make in refusals.items():
@@ -125,8 +130,13 @@ def test_registry_picks_the_back_end_for_each_model(tmp_path):
                                                      "handed to the engine; apply it to the root too "
                                                      "(fully_shard(model)) after its blocks")]
     assert report["fsdp_fp16"][1].startswith("precision='fp16' (GradScaler) is not supported with FSDP2")
-    assert report["ddp_every_micro_batch"] == ["ValueError", ("gradient_sync='every_micro_batch' applies to FSDP2 "
-                                                              "models only (fully_shard)")]
+    # an option of another back end is one line naming it and the back end chosen (no shared code knows it)
+    assert report["ddp_every_micro_batch"] == ["TypeError", ("gradient_sync= is not an option of the DDP back end "
+                                                             "(DDPBackend), chosen for this model; it takes "
+                                                             "precision, count_allreduce")]
+    assert report["engine_keep_gathered_on_ddp"] == ["TypeError", ("keep_gathered= is not an option of the DDP back "
+                                                                   "end (DDPBackend), chosen for this model; it "
+                                                                   "takes precision, count_allreduce")]
     assert report["fsdp_noise"] == ["ValueError", ("noise_scale / adaptive are not measured with FSDP2 yet; use DDP "
                                                    "or DeepSpeed ZeRO-0")]
 

@@ -154,4 +154,4 @@ def test_lr_coupling_is_the_lr_rule_under_another_name():
                            co_scale={"lr": "sqrt"})
     engine = AccumulationEngine(model, make_optimizer("adamw", model), CASE.schedule, lr_coupling="sqrt",
                                 co_scale={"lr": "sqrt", "beta2": "half_life"})
-    assert engine.co_scale == {"lr": "sqrt", "beta2": "half_life", "weight_decay": "none"}
+    assert engine.optimizer_rules.rules == {"lr": "sqrt", "beta2": "half_life", "weight_decay": "none"}

@@ -79,15 +79,15 @@ def _run(rank: int, world: int, out: str) -> None:
             set_optimizer_state_dict(model, optimizer, copy.deepcopy(optim_state))
             state = copy.deepcopy(saved)
             if variant == "no_partial":
-                state["window"]["grads"]["partial"] = [None] * len(state["window"]["grads"]["partial"])
+                state["window"]["local_grads"]["partial"] = [None] * len(state["window"]["local_grads"]["partial"])
             engine.load_state_dict(state)
             for batch in engine.micro_batches(batches, 0):
                 engine.backward(*loss_fn(engine.model, batch))
             got = full(model)
             ends[variant] = (engine.optimizer_steps, max(float((a - b).abs().max()) for a, b in zip(got, reference)))
         results[mode] = {"stopped": stopped, "ends": ends,
-                         "has_partial": any(t is not None for t in saved["window"]["grads"]["partial"]),
-                         "format": saved["window"]["grads"]["format"] == fsdp_window.FORMAT}
+                         "has_partial": any(t is not None for t in saved["window"]["local_grads"]["partial"]),
+                         "format": saved["window"]["local_grads"]["format"] == fsdp_window.FORMAT}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 

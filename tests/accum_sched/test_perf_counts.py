@@ -36,7 +36,7 @@ BUCKET_CAP_MB = 0.01  # ~2600 fp32 numbers: the 64x64 layers land in separate bu
 # The stop flag the launcher's engine (stop_at="micro_batch") sums once per micro-batch: a one-number float64 tensor
 # in host memory, all-reduced on a gloo side group, so reading it is no device sync on a GPU either. Its reads and
 # its collectives are told apart by where they come from and which group they run on, and bounded on their own.
-STOP_FLAG_READ = "accum_sched.engine.StopPoll.drain"
+STOP_FLAG_READ = "accum_sched.stop_poll.StopPoll.drain"
 
 
 def _run_counted(case, rank, world, engine_kwargs, ddp_kwargs, precision="fp32"):

@@ -49,7 +49,7 @@ def _worker(rank: int, world: int, out: str) -> None:
     from launcher.config import FSDP_SCHEMA
 
     fsdp = {**{k: f.default for k, f in FSDP_SCHEMA.items()}, "wrap": ["Linear"]}
-    cfg = types.SimpleNamespace(run=types.SimpleNamespace(compile=False),
+    cfg = types.SimpleNamespace(run=types.SimpleNamespace(compile=False, precision="fp32"),
                                 distributed=types.SimpleNamespace(fsdp=fsdp))
     shapes = {tuple(p.shape) for p in model().parameters()}
     setup = FSDPBackend().setup(cfg, model(), lambda m: (torch.optim.AdamW(m.parameters(), lr=1e-3), None),

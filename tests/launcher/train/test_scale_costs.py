@@ -30,11 +30,8 @@ CASE = Case("stop-mid-window", {0: 3, 1: 5}, epochs=3, samples=(40, 40), optimiz
 STOP_EPOCH, STOP_AT = 1, 2  # request during micro-batch 2 of epoch 1 (inside its first window of 5)
 
 
-def interrupted_then_resumed(rank, world, requesting_rank=0, skip=False, micro_batch_size=None, legacy=False):
-    """Train CASE, stop on a request (made on one rank), save, resume in a fresh engine; return what happened.
-
-    ``legacy``: the saved open window is made to look as a checkpoint of the release whose DDP comm hook averaged:
-    no ``grad_scale``, and local gradients ``world`` times larger when the loss was pre-scaled."""
+def interrupted_then_resumed(rank, world, requesting_rank=0, skip=False, micro_batch_size=None):
+    """Train CASE, stop on a request (made on one rank), save, resume in a fresh engine; return what happened."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from accum_sched import AccumulationEngine
@@ -59,10 +56,6 @@ def interrupted_then_resumed(rank, world, requesting_rank=0, skip=False, micro_b
                "steps": engine.optimizer_steps}
     saved = copy.deepcopy({"engine": engine.state_dict(), "model": model.state_dict(),
                            "optimizer": optimizer.state_dict()})
-    if legacy:
-        window = saved["engine"]["window"]
-        assert window.pop("grad_scale") != 1.0  # the loss was pre-scaled: the case where the releases differ
-        window["grads"] = [None if g is None else g * world for g in window["grads"]]
     del engine
     model, optimizer, engine = build()
     model.load_state_dict(saved["model"])
@@ -73,11 +66,6 @@ def interrupted_then_resumed(rank, world, requesting_rank=0, skip=False, micro_b
         loader = batches if skip else batches[engine.resume_offset(epoch):]
         engine.train_epoch(loader, loss_fn, epoch, skip=skip)
     return stopped, params(model), engine.optimizer_steps
-
-
-def check_legacy_window(rank, world, results):
-    results[rank] = attempt(lambda: interrupted_then_resumed(rank, world, requesting_rank=world - 1,
-                                                             micro_batch_size=CASE.micro, legacy=True))
 
 
 def check_stop_and_resume(rank, world, results):
@@ -115,24 +103,6 @@ def test_engine_stops_inside_a_window_and_resumes_exactly_ddp():
         assert results[rank]["error"] is None, results[rank]["error"]
         stopped, resumed, steps = results[rank]["result"]
         assert_resumed_equal(stopped, resumed, steps, results[rank]["plain"], 2)
-
-
-def test_open_window_saved_before_the_summing_hook_resumes_exactly_ddp():
-    """A mid-window checkpoint written when the DDP comm hook averaged (its gradients carry world x the multiplier,
-    and no grad_scale) is brought to the summing hook's scale on resume: every rank equals the reference."""
-    import torch.multiprocessing as mp
-
-    with mp.Manager() as manager:
-        results = manager.dict()
-        spawn(check_legacy_window, 2, results, deadline_s=240)
-        results = dict(results)
-    want = params(reference(CASE, 2))
-    for rank in range(2):
-        assert results[rank]["error"] is None, results[rank]["error"]
-        stopped, resumed, steps = results[rank]["result"]
-        assert stopped["open"] and steps == 8
-        for got, ref in zip(resumed, want):
-            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
 # -- planning: one pass -----------------------------------------------------------------------------------------
