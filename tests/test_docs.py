@@ -67,3 +67,15 @@ def test_every_docs_page_is_linked_from_the_readme():
     readme = (ROOT / "README.md").read_text()
     orphans = [p.name for p in (ROOT / "docs").glob("*.md") if f"docs/{p.name}" not in readme]
     assert not orphans, f"docs pages not linked from README.md: {orphans}"
+
+
+def test_ci_runs_the_readme_test_command_then_the_slow_tier():
+    """The README's second command is the fast tier, and CI runs exactly that text before the slow tier."""
+    command = (ROOT / "README.md").read_text().splitlines()[4]
+    assert command.endswith('.venv/bin/python -m pytest -q -m "not slow"'), command
+    ci = (ROOT / ".ci" / "run").read_text()
+    lines = ci.splitlines()
+    readme_line = next((i for i, line in enumerate(lines) if line.startswith(command)), None)
+    assert readme_line is not None, ".ci/run does not run the README's test command as written"
+    slow = next((i for i, line in enumerate(lines) if "pytest -q -m slow --durations=25" in line), None)
+    assert slow is not None and slow > readme_line, ".ci/run must run the slow tier after the README command"

@@ -29,6 +29,9 @@ import os
 import accum_sched
 import launcher
 from launcher.tasks.builtin import regression as _regression
+import pytest
+
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
 
 
 def regression(**args):

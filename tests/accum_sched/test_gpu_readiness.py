@@ -151,6 +151,7 @@ def _fp16_worker(rank: int, world: int, out: str) -> None:
 
 
 @pytest.mark.skipif(not HAVE_DS, reason="deepspeed is not installed (pip install -e .[deepspeed])")
+@pytest.mark.slow
 def test_deepspeed_fp16_prescales_exactly_and_keeps_its_loss_scale(tmp_path):
     from accum_sched.backends.deepspeed import ensure_torch_extensions_dir
 

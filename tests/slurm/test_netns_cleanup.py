@@ -19,6 +19,8 @@ HOLDER = """
 import os, subprocess, sys, time
 sys.path.insert(0, {tests!r})
 from netns_nodes import NetnsNodes
+
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
 os.makedirs({root!r}, exist_ok=True)
 net = NetnsNodes({root!r}, ["n1", "n2"]).start()
 inside = subprocess.Popen(net.wrap("n1", ["sleep", "300"]))

@@ -91,6 +91,7 @@ def assert_follows_schedule(run_dir: str) -> None:
 
 @needs_ds
 @pytest.mark.parametrize("stage", (0, 1, 2, 3))
+@pytest.mark.slow
 def test_deepspeed_run_equals_ddp_run(tmp_path, ddp_model, stage):
     if stage == 2:  # the shipped JSON file, as a path
         config = write_config(tmp_path, "ds", deepspeed=os.path.join(ROOT, "configs", "ds_zero2.json"))
