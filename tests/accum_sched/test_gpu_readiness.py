@@ -69,6 +69,7 @@ def _coordination(rank: int, world: int, out: str) -> None:
     os._exit(0)  # the training group is broken by the control; spawn's closing barrier would fail on it
 
 
+@pytest.mark.slow
 def test_checkpoint_coordination_outlasts_the_training_timeout(tmp_path):
     spawn(_coordination, 2, str(tmp_path), deadline_s=240)
     for rank in (0, 1):

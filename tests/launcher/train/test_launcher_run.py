@@ -193,6 +193,7 @@ def test_user_task_from_module_path(tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: task.target: module 'my_tasks' has no function")
 
 
+@pytest.mark.slow
 def test_fresh_run_moves_old_checkpoints_aside(regression_run):
     tmp, cfg, _, _ = regression_run
     out = tmp / "again"
