@@ -18,6 +18,10 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ("launcher/templates/torchrun.sbatch", "launcher/templates/per_task.sbatch", "launcher/data/corpus.txt")
 
@@ -29,9 +33,6 @@ import os
 import accum_sched
 import launcher
 from launcher.tasks.builtin import regression as _regression
-import pytest
-
-pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
 
 
 def regression(**args):

@@ -13,14 +13,14 @@ import pytest
 
 import paths
 
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 # a run that builds two nodes, starts a process inside the first (as slurmd runs there), says so and waits
 # (with "stop": stops at once instead); each in a process of its own, as test sessions are
 HOLDER = """
 import os, subprocess, sys, time
 sys.path.insert(0, {tests!r})
 from netns_nodes import NetnsNodes
-
-pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
 os.makedirs({root!r}, exist_ok=True)
 net = NetnsNodes({root!r}, ["n1", "n2"]).start()
 inside = subprocess.Popen(net.wrap("n1", ["sleep", "300"]))

@@ -189,6 +189,7 @@ def test_missing_json_file(tmp_path, capsys):
     assert code == 2 and err.startswith("error: distributed.deepspeed_config: file ") and "not found" in err, err
 
 
+@pytest.mark.slow
 def test_run_stops_before_launch_and_check_never_imports_torch(tmp_path):
     config = write_config(tmp_path, "bad", deepspeed=ds_json(tmp_path, {"gradient_accumulation_steps": 4}))
     proc = accum("run", config, timeout=60)

@@ -296,6 +296,7 @@ def test_a_stream_checkpoint_at_a_step_is_refused_on_another_world_size(tmp_path
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_decaying_lr_schedule_on_a_stream_needs_max_steps(tmp_path):
     body = NUMBERS.replace("max_steps: 9", "max_steps: null").replace("lr_scheduler: null",
                                                                        "lr_scheduler: {name: cosine}")
