@@ -304,3 +304,15 @@ PYTHON_BLOCKS = {
 def test_every_python_block_is_one_a_test_runs():
     found = {page.name: len(_python_blocks(page)) for page in _pages() if _python_blocks(page)}
     assert found == PYTHON_BLOCKS, "a python block no test runs: add a test for it (whole script or excerpt)"
+
+
+def test_ci_runs_the_readme_test_command_then_the_slow_tier():
+    """The README's second command is the fast tier, and CI runs exactly that text before the slow tier."""
+    command = (ROOT / "README.md").read_text().splitlines()[4]
+    assert command.endswith('.venv/bin/python -m pytest -q -m "not slow"'), command
+    ci = (ROOT / ".ci" / "run").read_text()
+    lines = ci.splitlines()
+    readme_line = next((i for i, line in enumerate(lines) if line.startswith(command)), None)
+    assert readme_line is not None, ".ci/run does not run the README's test command as written"
+    slow = next((i for i, line in enumerate(lines) if "pytest -q -m slow --durations=25" in line), None)
+    assert slow is not None and slow > readme_line, ".ci/run must run the slow tier after the README command"

@@ -3,6 +3,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

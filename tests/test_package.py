@@ -18,6 +18,10 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ("launcher/templates/torchrun.sbatch", "launcher/templates/per_task.sbatch", "launcher/data/corpus.txt")
 

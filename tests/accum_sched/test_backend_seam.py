@@ -116,6 +116,7 @@ def _choices(rank: int, world: int, out: str) -> None:
         json.dump(report, f)
 
 
+@pytest.mark.slow
 def test_registry_picks_the_back_end_for_each_model(tmp_path):
     spawn(_choices, 1, str(tmp_path), deadline_s=120)
     report = json.loads((tmp_path / "choices.json").read_text())
@@ -248,6 +249,7 @@ print(sorted(m for m in sys.modules if m.split(".")[0] == "deepspeed" or m in (
 """
 
 
+@pytest.mark.slow
 def test_a_one_process_or_ddp_back_end_imports_no_deepspeed():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, env=env,
@@ -256,6 +258,7 @@ def test_a_one_process_or_ddp_back_end_imports_no_deepspeed():
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
+@pytest.mark.slow
 def test_the_deepspeed_helpers_are_exported_lazily():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     code = ("import sys, accum_sched; f = accum_sched.ensure_torch_extensions_dir; "

@@ -59,6 +59,7 @@ def _ddp_ranks(rank: int, world: int, out: str) -> None:
                    "steps": engine.counters()["optimizer_steps"]}, f)
 
 
+@pytest.mark.slow
 def test_ddp_of_a_compiled_module_equals_the_large_batch_reference(tmp_path):
     spawn(_ddp_ranks, 2, str(tmp_path), deadline_s=240)
     ref = cases.params(cases.reference(REGRESSION, 2))

@@ -22,6 +22,8 @@ import cases
 from counters import CollectiveCounter
 from distributed import attempt, spawn
 
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 CASE = cases.Case("second-engine", {0: 1, 1: 2, 2: 3}, epochs=3, samples=(37, 39), clip=0.3)
 
 

@@ -26,6 +26,8 @@ from accum_sched import AccumulationSchedule, window_stats
 from counters import CollectiveCounter
 from distributed import spawn
 
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 if importlib.util.find_spec("deepspeed") is None:  # not imported here: the fixture sets DS_ACCELERATOR first
     pytest.skip("deepspeed is not installed (pip install -e .[deepspeed])", allow_module_level=True)
 

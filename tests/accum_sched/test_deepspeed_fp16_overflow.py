@@ -23,8 +23,9 @@ import torch
 import cases
 from distributed import spawn
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                reason="deepspeed is not installed (pip install -e .[deepspeed])")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                 reason="deepspeed is not installed (pip install -e .[deepspeed])"),
+              pytest.mark.slow]  # the slow tier (docs/testing.md)
 
 CASE = cases.CASES[0]  # sgd, factors 1..5 over 6 epochs, partial windows
 DECAY = 0.8

@@ -41,7 +41,7 @@ def _check(out_dir: str, world: int) -> None:
                 assert counters["allreduce_rounds"] == counters["optimizer_steps"], (what, counters)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # world 3: the slow tier
 def test_ddp_matches_large_batch_reference(tmp_path, world):
     spawn(_train_all, world, str(tmp_path))
     _check(str(tmp_path), world)

@@ -160,7 +160,7 @@ def _worker(rank: int, world: int, out: str) -> None:
     torch.save(runs, os.path.join(out, f"rank{rank}.pt"))
 
 
-@pytest.fixture(scope="module", params=(2, 3), ids=("world2", "world3"))
+@pytest.fixture(scope="module", params=(2, pytest.param(3, marks=pytest.mark.slow)), ids=("world2", "world3"))
 def launched(request, tmp_path_factory):
     world = request.param
     out = str(tmp_path_factory.mktemp(f"fsdp{world}"))

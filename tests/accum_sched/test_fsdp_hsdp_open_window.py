@@ -18,6 +18,8 @@ from torch import nn
 
 from distributed import spawn
 
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 WORLD = 4
 MODES = ("boundary", "every_micro_batch", "reduce_scatter")
 

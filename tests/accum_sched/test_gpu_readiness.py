@@ -69,6 +69,7 @@ def _coordination(rank: int, world: int, out: str) -> None:
     os._exit(0)  # the training group is broken by the control; spawn's closing barrier would fail on it
 
 
+@pytest.mark.slow
 def test_checkpoint_coordination_outlasts_the_training_timeout(tmp_path):
     spawn(_coordination, 2, str(tmp_path), deadline_s=240)
     for rank in (0, 1):
@@ -151,6 +152,7 @@ def _fp16_worker(rank: int, world: int, out: str) -> None:
 
 
 @pytest.mark.skipif(not HAVE_DS, reason="deepspeed is not installed (pip install -e .[deepspeed])")
+@pytest.mark.slow
 def test_deepspeed_fp16_prescales_exactly_and_keeps_its_loss_scale(tmp_path):
     from accum_sched.backends.deepspeed import ensure_torch_extensions_dir
 

@@ -12,7 +12,11 @@ import paths
 
 ROOT = paths.ROOT
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+import pytest
+
 import mutation
+
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
 
 TARGET = "tests/accum_sched/test_nonfinite.py::test_nan_on_one_rank_is_skipped_on_every_rank[ddp]"
 

@@ -152,6 +152,7 @@ def torch_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", TORCH_RUNS)
+@pytest.mark.slow
 def test_nan_on_one_rank_is_skipped_on_every_rank(torch_runs, name):
     want = reference(2)
     for rank, runs in enumerate(torch_runs):
@@ -161,6 +162,7 @@ def test_nan_on_one_rank_is_skipped_on_every_rank(torch_runs, name):
 
 
 @pytest.mark.parametrize("name", TORCH_RUNS)
+@pytest.mark.slow
 def test_nan_on_one_rank_raises_on_every_rank(torch_runs, name):
     for rank, runs in enumerate(torch_runs):
         assert_raised(runs[f"{name}/raise"], f"{name} rank {rank}")

@@ -198,6 +198,7 @@ def _check_steps(counts, rank):
     assert len(flag_reads) == len(flag_sums) == counts["micro_batches"], (len(flag_reads), len(flag_sums))
 
 
+@pytest.mark.slow
 def test_ddp_step_has_only_its_buckets_and_one_host_sync(ranks):
     _, reports = ranks
     for rank, report in enumerate(reports):
@@ -206,6 +207,7 @@ def test_ddp_step_has_only_its_buckets_and_one_host_sync(ranks):
         assert all(step["grad_norm"] is not None for step in counts["steps"])  # clipping measures it every step
 
 
+@pytest.mark.slow
 def test_ddp_every_rank_equals_the_large_batch_reference(ranks):
     out, reports = ranks
     for name, case in (("clip", LAYERS),
@@ -219,6 +221,7 @@ def test_ddp_every_rank_equals_the_large_batch_reference(ranks):
                 assert torch.allclose(g, w, rtol=1e-5, atol=1e-6), (name, rank, (g - w).abs().max())
 
 
+@pytest.mark.slow
 def test_grad_norm_and_clipping_do_not_depend_on_the_bucket_layout(ranks):
     """The norm is the same float whatever DDP's buckets (several or one, and laid out again after the first round):
     a norm summed per bucket rounds differently, and a resumed run, whose first round has the initial layout, would
@@ -231,6 +234,7 @@ def test_grad_norm_and_clipping_do_not_depend_on_the_bucket_layout(ranks):
             assert torch.equal(a, b), rank
 
 
+@pytest.mark.slow
 def test_grad_norm_measured_at_its_cadence_only(ranks):
     _, reports = ranks
     for rank, report in enumerate(reports):

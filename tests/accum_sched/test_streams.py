@@ -161,7 +161,7 @@ def _check(out_dir, world):
             torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # world 3: the slow tier
 def test_streams_match_the_large_batch_reference_on_every_rank(tmp_path, world):
     spawn(_ranks, world, str(tmp_path), deadline_s=300)
     _check(str(tmp_path), world)
@@ -180,6 +180,7 @@ def _uneven_error(rank: int, world: int, out_dir: str) -> None:
     torch.save(attempt(run), os.path.join(out_dir, f"error-{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_uneven_streams_raise_on_every_rank_under_uneven_error(tmp_path):
     spawn(_uneven_error, 3, str(tmp_path), deadline_s=120)  # a rank left waiting would hang: bounded
     for rank in range(3):

@@ -13,6 +13,8 @@ import pytest
 
 import paths
 
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 # a run that builds two nodes, starts a process inside the first (as slurmd runs there), says so and waits
 # (with "stop": stops at once instead); each in a process of its own, as test sessions are
 HOLDER = """

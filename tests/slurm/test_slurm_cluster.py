@@ -7,8 +7,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import paths
 from launcher.launch.env import expand_nodelist, slurm_port
+
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
 
 ROOT = paths.ROOT_PATH
 

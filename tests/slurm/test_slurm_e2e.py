@@ -21,6 +21,8 @@ from slurm_demo import (  # noqa: F401
     wait_for_training,
 )
 
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 SCHEDULE = {0: 1, 4: 2, 8: 4}  # configs/demo.yaml
 BATCHES_PER_EPOCH = 64  # 2048 samples / 2 ranks / micro-batch 16
 

@@ -9,6 +9,8 @@ import pytest
 
 from launcher.train.preempt import Preemption, preempt_signal, requeue
 
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 
 def test_signal_sets_flags_before_and_after_attach():
     old = signal.getsignal(signal.SIGUSR1)

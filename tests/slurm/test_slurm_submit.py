@@ -12,9 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import paths
 from earlier_runs import earlier_run
 from launcher.checkpoint import store
+
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
 
 ROOT = paths.ROOT_PATH
 DEMO = ROOT / "configs" / "demo.yaml"

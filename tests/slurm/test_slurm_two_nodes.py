@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from slurm_demo import (  # noqa: F401
     check_preempted_and_resumed,
     demo_reference,
@@ -17,6 +19,8 @@ from slurm_demo import (  # noqa: F401
     submit,
     wait_for_training,
 )
+
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
 
 TWO_NODES = ("--nodes", "2", "--nproc-per-node", "1")
 

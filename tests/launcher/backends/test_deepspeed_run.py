@@ -91,6 +91,7 @@ def assert_follows_schedule(run_dir: str) -> None:
 
 @needs_ds
 @pytest.mark.parametrize("stage", (0, 1, 2, 3))
+@pytest.mark.slow
 def test_deepspeed_run_equals_ddp_run(tmp_path, ddp_model, stage):
     if stage == 2:  # the shipped JSON file, as a path
         config = write_config(tmp_path, "ds", deepspeed=os.path.join(ROOT, "configs", "ds_zero2.json"))
@@ -188,6 +189,7 @@ def test_missing_json_file(tmp_path, capsys):
     assert code == 2 and err.startswith("error: distributed.deepspeed_config: file ") and "not found" in err, err
 
 
+@pytest.mark.slow
 def test_run_stops_before_launch_and_check_never_imports_torch(tmp_path):
     config = write_config(tmp_path, "bad", deepspeed=ds_json(tmp_path, {"gradient_accumulation_steps": 4}))
     proc = accum("run", config, timeout=60)

@@ -46,6 +46,7 @@ RUNS = {"reduce_scatter": "{mesh: [2, 2], gradient_sync: reduce_scatter, wrap: [
 
 
 @pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.slow
 def test_hsdp_run_equals_large_batch_reference(tmp_path, name):
     accum("run", write_config(tmp_path, name, RUNS[name]))
     run = os.path.join(tmp_path, name)

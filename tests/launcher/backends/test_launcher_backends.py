@@ -18,6 +18,7 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import paths
@@ -109,6 +110,7 @@ logging: {{progress: plain, tensorboard: "off"}}
 """
 
 
+@pytest.mark.slow
 def test_after_step_order_metrics_then_eval_then_checkpoint(tmp_path):
     run = tmp_path / "run"
     config = tmp_path / "order.yaml"

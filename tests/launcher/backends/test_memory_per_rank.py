@@ -20,6 +20,8 @@ from torch import nn
 from distributed import spawn
 from launcher.launch import malloc
 
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 WIDTH = 64
 
 

@@ -24,6 +24,8 @@ ROOT = os.path.dirname(TESTS)
 sys.path.insert(0, TESTS)
 import faulty_tasks  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 CONFIG = """\
 run: {{output_dir: {out}, seed: 0, epochs: 3}}
 task: {{target: "faulty_tasks:regression", args: {args}}}

@@ -49,6 +49,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_ten_sigkills_during_checkpoint_writes_never_resume_a_torn_checkpoint(tmp_path):
     root = str(tmp_path / "checkpoints")
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -133,6 +134,7 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.slow
 def test_a_full_disk_keeps_the_last_good_checkpoint_with_one_clear_line(tmp_path, small_disk):
     ckpt = small_disk / "ckpt"
     cfg = tmp_path / "full.yaml"
@@ -218,6 +220,7 @@ logging: {{progress: plain}}
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "ddp"])
+@pytest.mark.slow
 def test_a_planted_pickle_with_a_rewritten_manifest_is_refused_on_resume(tmp_path, backend):
     """The checksums cannot stop one who rewrites manifest.json too. FSDP2: DCP's .metadata, which torch reads with
     a plain pickle.load; DDP: trainer.pt, read with weights_only. Either way nothing of it runs, on any rank, every
@@ -311,6 +314,7 @@ def test_an_edited_manifest_is_named_and_skipped(tmp_path, name, edit, problem):
     assert problem in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_a_run_sigkilled_inside_a_checkpoint_commit_resumes_exactly(tmp_path):
     """The whole run SIGKILLed (agent, and with it the workers) while rank 0 commits its third checkpoint, then
     `--resume`: the torn step-12.tmp is ignored, the run continues from step 8 and ends bit for bit where an

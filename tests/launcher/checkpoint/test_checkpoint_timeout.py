@@ -13,7 +13,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 import paths
+
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
 
 TESTS = paths.TESTS
 ROOT = os.path.dirname(TESTS)

@@ -73,6 +73,7 @@ def ds_run(tmp_path_factory):
 
 
 @needs_ds
+@pytest.mark.slow
 def test_real_deepspeed_checkpoints_pass(ds_run, tmp_path_factory):
     _, ckpt = ds_run
     assert pickle_scan.check_tree(os.path.join(ckpt, "deepspeed")) == 3  # model states + 2 ZeRO-2 optimizer shards
@@ -81,6 +82,7 @@ def test_real_deepspeed_checkpoints_pass(ds_run, tmp_path_factory):
 
 
 @needs_ds
+@pytest.mark.slow
 def test_malicious_shard_is_refused_and_never_runs(ds_run, tmp_path):
     tmp, ckpt = ds_run
     marker = str(tmp_path / "marker")

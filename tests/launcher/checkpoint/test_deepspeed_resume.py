@@ -15,6 +15,8 @@ import torch
 
 import paths
 
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed is not installed (pip install -e .[deepspeed])", allow_module_level=True)
 

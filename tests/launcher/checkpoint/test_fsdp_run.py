@@ -50,6 +50,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ("boundary", "every"))
+@pytest.mark.slow
 def test_fsdp_run_equals_ddp_run(runs, mode):
     model, metrics, summary = runs[mode]
     ddp_model, ddp_metrics, ddp_summary = runs["ddp"]
@@ -65,6 +66,7 @@ def test_fsdp_run_equals_ddp_run(runs, mode):
     assert summary["allreduce_rounds"] == (30 if mode == "boundary" else micro) and micro == 48
 
 
+@pytest.mark.slow
 def test_killed_worker_resumes_from_dcp_bit_for_bit(runs, tmp_path):
     cfg, run = write_config(tmp_path, "run"), os.path.join(tmp_path, "run")
     marker = tmp_path / "marker"
@@ -84,6 +86,7 @@ def test_killed_worker_resumes_from_dcp_bit_for_bit(runs, tmp_path):
     assert summary == ref_summary
 
 
+@pytest.mark.slow
 def test_resume_on_one_worker_reshards_and_keeps_the_global_batch(tmp_path):
     cfg = write_config(tmp_path, "run", fsdp="{gradient_sync: every_micro_batch, wrap: [Linear]}", args="{}",
                        lr_scheduler="null")

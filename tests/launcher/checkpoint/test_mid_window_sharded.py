@@ -27,6 +27,8 @@ import torch
 
 import paths
 
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 TESTS = paths.TESTS
 
 CONFIG = """\

@@ -50,6 +50,7 @@ def test_a_file_where_a_directory_belongs_is_one_line_exit_2(tmp_path, capsys, w
     assert blocker.read_text() == "not a directory\n" and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_an_output_dir_held_by_another_run_is_refused_naming_its_pid(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
@@ -112,6 +113,7 @@ def _cmdline(pid: int) -> bytes:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc") or not sys.platform.startswith("linux"), reason="prctl and /proc")
+@pytest.mark.slow
 def test_sigkill_of_accum_sched_run_leaves_no_worker_and_frees_the_directory(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -162,6 +164,7 @@ def _holds(pid: int, path: str) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl")
+@pytest.mark.slow
 def test_a_worker_dies_with_its_torchrun(tmp_path):
     """launcher/worker.py's request, alone: the child of a SIGKILLed parent gets SIGKILL from the kernel."""
     code = ("import os, subprocess, sys, time\n"

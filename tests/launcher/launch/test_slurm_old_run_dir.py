@@ -13,10 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import paths
 from earlier_runs import earlier_run
 from launcher.checkpoint.resume import plan_resume
 from launcher.config import load_config
+
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
 
 DEMO = paths.ROOT_PATH / "configs" / "demo.yaml"
 SBATCH = """#!/bin/sh

@@ -122,6 +122,7 @@ def test_report_of_a_real_run(run_dir):
     assert "note:" not in text
 
 
+@pytest.mark.slow
 def test_resumed_rerun_and_torn_metrics(run_dir, tmp_path):
     """Real metrics lines rearranged the way the worker appends them: a resume from step 5 (newer lines win, wall
     time restarts), a fresh rerun into the same directory, and a last line cut short by a kill."""

@@ -179,6 +179,7 @@ def test_ddp_run_equals_per_token_reference_and_exports(ddp_run):
 
 
 @pytest.mark.skipif(not HAVE_DS, reason="deepspeed is not installed (pip install -e .[deepspeed])")
+@pytest.mark.slow
 def test_deepspeed_zero2_from_export_equals_reference(ddp_run):
     """ZeRO-2 with the shipped JSON as it is, from the DDP run's export (weights + tokenizer), JSON-lines data with
     its own text field, a token-keyed schedule (count_fn plans the steps before training)."""
@@ -205,6 +206,7 @@ def test_deepspeed_zero2_from_export_equals_reference(ddp_run):
 
 
 # -- inputs -----------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_datasets_directory_and_byte_level_ids(tmp_path):
     """A save_to_disk directory gives the same samples as the text file; with no tokenizer, ids are UTF-8 bytes."""
     import datasets

@@ -361,6 +361,7 @@ def _ranks(rank: int, world: int, corpus: list[str], out: str) -> None:
     torch.save([p.detach() for p in task["model"].parameters()], os.path.join(out, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_engine_on_two_ranks_each_on_its_shard_equals_the_reference(corpus, tmp_path):
     spawn(_ranks, 2, corpus, str(tmp_path), deadline_s=120)
     task = _task(corpus)

@@ -19,6 +19,8 @@ import yaml
 
 import paths
 
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 TESTS = paths.TESTS
 ROOT = os.path.dirname(TESTS)
 CONFIG = """\

@@ -20,6 +20,8 @@ import torch
 
 import paths
 
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 TESTS = paths.TESTS
 ROOT = os.path.dirname(TESTS)
 

@@ -18,6 +18,8 @@ import pytest
 import torch
 from test_launcher_run import accum, reference_regression
 
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 CONFIG = """\
 run: {{output_dir: {out}, seed: 0, epochs: 3, compile: {compile}}}
 task: {{target: builtin:regression, args: {{samples: 200}}}}

@@ -25,6 +25,8 @@ sys.path.insert(0, TESTS)
 import eval_tasks  # noqa: E402
 from cases import launcher_shards  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 TWO_RANKS = """\
 run: {{output_dir: {out}, seed: 0, epochs: 3}}
 task: {{target: "eval_tasks:regression", args: {{dropout: 0.2, with_val: {with_val}}}}}

@@ -23,7 +23,11 @@ import paths
 TESTS = paths.TESTS
 ROOT = os.path.dirname(TESTS)
 sys.path.insert(0, TESTS)
+import pytest
+
 from distributed import attempt, spawn  # noqa: E402
+
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
 
 MICRO, BATCHES, EPOCHS = 4, 6, 2
 SCHEDULE = {0: 1, 3: 2}  # keyed by optimizer steps taken: an overflow step is not one

@@ -112,6 +112,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_agents_on_loopback_equal_one_node(regression_run):
     tmp, cfg, run_dir, _ = regression_run
     out = tmp / "two_nodes"
@@ -140,6 +141,7 @@ distributed: {{nproc_per_node: 2}}
 """
 
 
+@pytest.mark.slow
 def test_charlm_is_token_normalised(tmp_path):
     cfg = tmp_path / "charlm.yaml"
     cfg.write_text(CHARLM.format(out=tmp_path / "run"))
@@ -172,6 +174,7 @@ def make(width=4):
 '''
 
 
+@pytest.mark.slow
 def test_user_task_from_module_path(tmp_path):
     (tmp_path / "my_tasks.py").write_text(USER_TASK)
     (tmp_path / "cfg.yaml").write_text(textwrap.dedent("""\
@@ -190,6 +193,7 @@ def test_user_task_from_module_path(tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: task.target: module 'my_tasks' has no function")
 
 
+@pytest.mark.slow
 def test_fresh_run_moves_old_checkpoints_aside(regression_run):
     tmp, cfg, _, _ = regression_run
     out = tmp / "again"
@@ -200,6 +204,7 @@ def test_fresh_run_moves_old_checkpoints_aside(regression_run):
     assert "moved" in proc.stderr and len(read_metrics(out)) == 13 + 7  # the second run's steps only (1 rank)
 
 
+@pytest.mark.slow
 def test_max_steps_ends_a_map_style_run_inside_an_epoch_and_is_the_lr_total(tmp_path):
     """run.max_steps: 9 of the 4 epochs' 7 + 4 + 3 + 3 steps: epoch 0 (factor 1, 7 steps) and 2 steps of epoch 1
     (factor 2); a linear LR decay spans those 9 steps (the total is min(planned, max_steps)); the run finishes

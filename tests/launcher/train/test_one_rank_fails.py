@@ -9,7 +9,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import paths
+
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
 
 TESTS = paths.TESTS
 CONFIG = """\

@@ -15,6 +15,8 @@ import pytest
 
 import paths
 
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
+
 TESTS = paths.TESTS
 ROOT = os.path.dirname(TESTS)
 

@@ -23,8 +23,12 @@ import paths
 
 TESTS = paths.TESTS
 sys.path.insert(0, TESTS)
+import pytest
+
 from cases import Case, loss_fn_for, make_model, make_optimizer, params, rank_batches, reference, run_engine  # noqa: E402
 from distributed import attempt, spawn  # noqa: E402
+
+pytestmark = pytest.mark.slow  # the slow tier (docs/testing.md)
 
 CASE = Case("stop-mid-window", {0: 3, 1: 5}, epochs=3, samples=(40, 40), optimizer="adamw")  # 10 micro-batches
 STOP_EPOCH, STOP_AT = 1, 2  # request during micro-batch 2 of epoch 1 (inside its first window of 5)

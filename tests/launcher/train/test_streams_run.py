@@ -128,6 +128,7 @@ def lm_reference(docs, world, epochs=2, schedule=((0, 2), (1, 3))):
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow
 def test_stream_lm_matches_the_large_batch_reference_on_every_rank(tmp_path, world):
     docs = write_docs(tmp_path)
     body = LM.replace("ARGS", LM_ARGS.replace("DOCS", docs)).replace("NPROC", str(world))
@@ -200,6 +201,7 @@ def numbers_reference(unit, world, workers, max_steps=9, schedule=None):
 
 
 @pytest.mark.parametrize("unit", ["step", "samples", "tokens"])
+@pytest.mark.slow
 def test_an_endless_stream_trains_to_max_steps_under_every_schedule_unit(tmp_path, unit):
     cfg = numbers_config(tmp_path, "run", unit=unit)
     accum("run", cfg, env={"RECORD_DIR": str(tmp_path / "rec")})
@@ -211,6 +213,7 @@ def test_an_endless_stream_trains_to_max_steps_under_every_schedule_unit(tmp_pat
     assert [m["factor"] for m in metrics(tmp_path / "run")] == factors
 
 
+@pytest.mark.slow
 def test_three_ranks_with_two_loader_workers_each_shard_by_rank_and_worker(tmp_path):
     cfg = numbers_config(tmp_path, "run", world=3, workers=2)
     accum("run", cfg, env={"RECORD_DIR": str(tmp_path / "rec")})
@@ -228,6 +231,7 @@ def reads(record_dir, rank):
 
 
 @pytest.mark.parametrize("kind", ["sharded", "stateful", "plain"])
+@pytest.mark.slow
 def test_sigkill_mid_epoch_resumes_the_stream_exactly(tmp_path, kind):
     """Rank 1 is SIGKILLed at its 11th micro-batch (steps 1-3 take 1 micro-batch, 4-6 take 2, 7 on 3: inside step
     7's window); torchrun restarts the group, which resumes from the step-6 checkpoint (micro-batch 9 of the epoch)
@@ -259,6 +263,7 @@ def test_sigkill_mid_epoch_resumes_the_stream_exactly(tmp_path, kind):
         assert len(restarted) == 1 and restarted[0][0] == 2 * 9 * MICRO, restarted
 
 
+@pytest.mark.slow
 def test_sigterm_mid_epoch_stops_inside_the_window_and_resume_equals_uninterrupted(tmp_path):
     ref = numbers_config(tmp_path, "ref", args="{shardable: true}", schedule={0: 3})
     accum("run", ref, env={"RECORD_DIR": str(tmp_path / "ref-rec")})
@@ -281,6 +286,7 @@ def test_sigterm_mid_epoch_stops_inside_the_window_and_resume_equals_uninterrupt
             assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.slow
 def test_a_stream_checkpoint_at_a_step_is_refused_on_another_world_size(tmp_path):
     cfg = numbers_config(tmp_path, "run", args="{shardable: true}")
     accum("run", cfg)
@@ -290,6 +296,7 @@ def test_a_stream_checkpoint_at_a_step_is_refused_on_another_world_size(tmp_path
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_decaying_lr_schedule_on_a_stream_needs_max_steps(tmp_path):
     body = NUMBERS.replace("max_steps: 9", "max_steps: null").replace("lr_scheduler: null",
                                                                        "lr_scheduler: {name: cosine}")
@@ -300,6 +307,7 @@ def test_a_decaying_lr_schedule_on_a_stream_needs_max_steps(tmp_path):
     assert "run.max_steps: is null, but the task's dataset is a stream" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_a_finite_stream_with_validation_stream(tmp_path):
     """Two epochs over 40 samples (20 per rank, 7 micro-batches of 3, the last short) and a validation stream of
     11 samples (6 on rank 0, 5 on rank 1): the exact mean over all 11 on both ranks."""
@@ -325,6 +333,7 @@ def test_a_finite_stream_with_validation_stream(tmp_path):
     assert abs(last["val_loss"] - float(loss)) < 1e-6
 
 
+@pytest.mark.slow
 def test_an_endless_stream_under_fsdp2_matches_the_reference(tmp_path):
     """FSDP2 over a stream: model.pt is gathered from both ranks' shards, so it checks every rank's part."""
     body = NUMBERS.replace("distributed: {nproc_per_node: NPROC}", "distributed: {nproc_per_node: 2, backend: fsdp}")
@@ -338,6 +347,7 @@ def test_an_endless_stream_under_fsdp2_matches_the_reference(tmp_path):
         torch.testing.assert_close(model[k], reference[k], atol=1e-5, rtol=0, msg=k)
 
 
+@pytest.mark.slow
 def test_data_shard_none_leaves_the_sharding_to_the_task(tmp_path):
     """builtin:stream_lm cutting its own stream by rank (shard_by_rank, data.shard: none) trains what the
     launcher's auto sharding trains; data.shard: none with a stream the task does not shard gives every rank the
@@ -366,6 +376,7 @@ def test_data_shard_none_leaves_the_sharding_to_the_task(tmp_path):
     assert_all_ranks_match(tmp_path / "rec-whole", 2, model.state_dict())
 
 
+@pytest.mark.slow
 def test_an_endless_stream_under_deepspeed_zero2_matches_the_reference(tmp_path):
     """DeepSpeed ZeRO-2 driven to the stream's windows (its boundaries are the engine's): model.pt (gathered from
     the ranks' partitions) against the reference, with a sample-keyed schedule changing factor twice."""

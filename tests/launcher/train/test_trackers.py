@@ -207,6 +207,7 @@ def test_wandb_offline_run_holds_the_same_history(run):
 
 
 # -- a crash and --resume: the same tracker runs, no step twice -----------------------------------------------------
+@pytest.mark.slow
 def test_resume_continues_the_same_tracker_runs(tmp_path):
     cfg, run = write(tmp_path, "crash", target="faulty_tasks:regression", args="{}"), os.path.join(tmp_path, "crash")
     # rank 0's 13th micro-batch (epoch 1, factor 2): step 11 never ends; the trackers have steps 1-10, the newest
@@ -324,6 +325,7 @@ logging:
 SLOW_STEPS = 16  # 64 samples, 2 ranks x 2, factor 1
 
 
+@pytest.mark.slow
 def test_preempted_run_is_killed_then_resumed_to_finished(tmp_path):
     import signal
     import time
