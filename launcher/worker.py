@@ -21,6 +21,7 @@ from launcher.checkpoint.pickle_scan import UnsafePickle
 from launcher.config import load_config
 from launcher.errors import ConfigError
 from launcher.launch import failures
+from launcher.launch.env import as_torch_env
 from launcher.launch.forward import die_with_parent
 from launcher.train.preempt import Preemption
 from launcher.train.trainer import Trainer, detect_launch, init_distributed
@@ -70,8 +71,6 @@ def join(cfg):
     launch = detect_launch()
     if launch.source != "single":
         # srun's tasks (the per_task template) carry only SLURM_* variables; DeepSpeed and torch read these.
-        from launcher.launch.env import as_torch_env
-
         os.environ.update(as_torch_env(launch))
     if launch.rank != 0:  # other ranks stay quiet unless something fails
         warnings.filterwarnings("ignore")

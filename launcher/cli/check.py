@@ -1,8 +1,10 @@
 """`accum-sched check CONFIG`: validate and print the schedule table. Never imports torch (login nodes)."""
 from __future__ import annotations
 
-from launcher import tasks
-from launcher.config import Config, load_config
+from accum_sched.planning import simulate_windows
+from launcher import backends, import_path, tasks
+from launcher.config import LR_SCHEDULERS, OPTIMIZERS, Config, load_config, trackers
+from launcher.config.noise import adaptive_settings
 from launcher.errors import ConfigError
 
 
@@ -22,18 +24,11 @@ def preflight(cfg: Config) -> None:
     paths, DeepSpeed config."""
     tasks.check_target(cfg.task.target)
     tasks.check_args(cfg.task.target, cfg.task.args)
-    from launcher import import_path
-    from launcher.config import LR_SCHEDULERS, OPTIMIZERS
-
     if cfg.optimizer.name not in OPTIMIZERS:
         import_path.check("optimizer.name", cfg.optimizer.name, "Lion")
     if cfg.lr_scheduler is not None and cfg.lr_scheduler.name not in LR_SCHEDULERS:
         import_path.check("lr_scheduler.name", cfg.lr_scheduler.name, "MyScheduler")
-    from launcher import backends  # torch-free, like everything here
-
     backends.get(cfg.distributed.backend).preflight(cfg)  # e.g. the DeepSpeed JSON against the launch's world
-    from launcher.config import trackers
-
     trackers.preflight(cfg)  # logging.wandb / logging.mlflow: the package is installed
 
 
@@ -50,8 +45,6 @@ def main(args) -> int:
     print(schedule.table(cfg.data.micro_batch_size, cfg.world_size, epochs=epochs_shown,
                          batches_per_epoch=args.batches_per_epoch))
     if cfg.accumulation.adaptive is not None:  # the table shows the first windows only
-        from launcher.config.noise import adaptive_settings
-
         a = adaptive_settings(cfg.accumulation.adaptive)
         print(f"adaptive: the factor follows the measured noise scale within {a['min_factor']}..{a['max_factor']} "
               f"(decided every {a['every_n_steps']} optimizer steps); the table shows the start")
@@ -64,8 +57,6 @@ def main(args) -> int:
 
 def _simulated_totals(cfg: Config, schedule, args) -> str:
     """Per-epoch and total optimizer steps of a step/sample/token-keyed schedule, by replaying its windows."""
-    from accum_sched.planning import simulate_windows
-
     world, micro = cfg.world_size, cfg.data.micro_batch_size
     per_step = {"samples_per_micro_step": micro * world}
     if schedule.unit == "tokens":

@@ -21,12 +21,12 @@ import ast
 import importlib
 import importlib.util
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from launcher.errors import ConfigError
+from launcher.import_path import ensure_cwd_on_path
 
 BUILTINS = {
     "regression": "launcher.tasks.builtin:regression",
@@ -66,17 +66,10 @@ def resolve(target: str) -> tuple[str, str]:
     return module, function
 
 
-def _ensure_cwd_on_path() -> None:
-    # `accum-sched run` is started from the user's project; their task modules live there (like `python -m`).
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)
-
-
 def check_target(target: str) -> None:
     """Raise ConfigError if the module cannot be found or does not define the function (no import of it)."""
     module, function = resolve(target)
-    _ensure_cwd_on_path()
+    ensure_cwd_on_path()
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError) as exc:
@@ -121,7 +114,7 @@ def check_args(target: str, args: dict) -> None:
 def build(target: str, args: dict) -> Task:
     """Import the target and call it with ``args``; normalise what it returns into a Task."""
     module_name, function = resolve(target)
-    _ensure_cwd_on_path()
+    ensure_cwd_on_path()
     module = importlib.import_module(module_name)
     try:
         factory = getattr(module, function)
