@@ -124,9 +124,9 @@ def test_no_backend_branches_outside_the_registry(package, registry):
 # and whether it resumes on another world size is its back end's rule (resume.py); the back ends need nothing of
 # checkpoints but their errors (the files a back end fully unpickles are checked by the Checkpointer, before it
 # hands them over: LauncherBackend.unpickled_files).
-LAUNCHER_LAYERS = ("launcher.errors", "launcher.import_path", "launcher.launch", "launcher.backends", "launcher.config",
-                   "launcher.checkpoint", "launcher.tasks", "launcher.train", "launcher.report", "launcher.cli",
-                   "launcher.worker", "launcher", "launcher.__main__")
+LAUNCHER_LAYERS = ("launcher.errors", "launcher.import_path", "launcher.options", "launcher.launch",
+                   "launcher.backends", "launcher.config", "launcher.checkpoint", "launcher.tasks", "launcher.train",
+                   "launcher.report", "launcher.cli", "launcher.worker", "launcher", "launcher.__main__")
 
 
 def _unit(module: str) -> str:

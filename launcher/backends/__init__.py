@@ -2,7 +2,8 @@
 
 Torch-free: config validation and `accum-sched check` import this on login nodes. Adding a back end is one
 module with a :class:`~launcher.backends.base.LauncherBackend` subclass and one line in ``_BACKENDS``; the config's
-``distributed.backend`` choices come from here.
+``distributed.backend`` choices and each back end's option keys (its ``options``) come from here. The back ends never
+import launcher.config: they get the validated config as an argument.
 """
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ def get(name: str) -> LauncherBackend:
         raise KeyError(f"no launcher back end {name!r} (known: {', '.join(NAMES)})") from None
 
 
+def options() -> dict:
+    """Every back end's keys of the distributed section, ``{name: (annotation, declaration)}``, in registry order
+    (launcher/config/sections.py adds them to DistributedConfig)."""
+    out: dict = {}
+    for backend in _BACKENDS.values():
+        out.update(backend.options)
+    return out
+
+
 def validate(cfg) -> None:
     """The back-end rules of a config: the chosen back end's own, and every other one's while it is unused."""
     chosen = get(cfg.distributed.backend)
@@ -32,4 +42,4 @@ def validate(cfg) -> None:
     chosen.validate(cfg)
 
 
-__all__ = ["NAMES", "LauncherBackend", "Setup", "get", "validate"]
+__all__ = ["NAMES", "LauncherBackend", "Setup", "get", "options", "validate"]

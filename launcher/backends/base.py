@@ -58,6 +58,9 @@ class LauncherBackend(ABC):
     # or None. The Checkpointer checks every pickle in it first (launcher/checkpoint/pickle_scan.py), on every rank,
     # so a planted import stops every rank alike with one line naming the file, before anything is unpickled.
     unpickled_files: ClassVar[str | None] = None
+    # this back end's keys in the distributed section, ``{name: (annotation, launcher.options.key(...))}``
+    # (``fsdp``, ``deepspeed_config``): declared in its module, composed into the config by the registry
+    options: ClassVar[dict] = {}
 
     # -- config side: torch-free ------------------------------------------------------------------------------
     def validate(self, cfg) -> None:

@@ -26,15 +26,21 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from accum_sched.schedule import AccumulationSchedule
 from launcher.backends.base import LauncherBackend, OptimizerFactory, Setup
 from launcher.errors import CheckpointError, ConfigError
+from launcher.options import key as declare_key
 
 FIELD = "distributed.deepspeed_config"
 OUR_KEY = "accum_sched"  # {"schedule": ..., "unit": ...} inside the DeepSpeed JSON; DeepSpeed never sees it
 OUR_FIELDS = ("schedule", "unit")
 TAG = "deepspeed"  # DeepSpeed's own checkpoint files: <checkpoint>/deepspeed/
+
+# the key of the distributed section this back end owns: (annotation, declaration); launcher/config composes it
+OPTIONS = {"deepspeed_config": (Any | None, declare_key(
+    None, train=True, doc="DeepSpeed JSON path or inline mapping; see [DeepSpeed](deepspeed.md)"))}
 
 
 # -- reading: once per process -----------------------------------------------------------------------------------
@@ -395,6 +401,7 @@ class DeepSpeedBackend(LauncherBackend):
     sharded_checkpoint = True
     # DeepSpeed reads its files with torch.load(weights_only=False): the Checkpointer checks their pickles first
     unpickled_files = TAG
+    options = OPTIONS
 
     def validate(self, cfg) -> None:
         if cfg.distributed.deepspeed_config is None:
@@ -404,11 +411,10 @@ class DeepSpeedBackend(LauncherBackend):
             raise ConfigError("run.compile", "is not supported with distributed.backend: deepspeed (its engine "
                               "wraps the module and drives the ZeRO partition hooks itself)",
                               "set run.compile: false, or use distributed.backend: ddp or fsdp")
-        from launcher.config.noise import measuring_field  # torch-free, imports nothing of ours back
-
-        field = measuring_field(cfg.accumulation)
+        acc = cfg.accumulation  # the key that asks for the noise scale, named in the error
+        field = "accumulation.noise_scale" if acc.noise_scale else "accumulation.adaptive" if acc.adaptive else None
         if field is not None:
-            _check_measuring(cfg, field, cfg.accumulation.adaptive is not None)
+            _check_measuring(cfg, field, acc.adaptive is not None)
 
     def resolve_raw(self, cfg) -> dict | None:
         return resolved_raw(cfg)

@@ -38,10 +38,61 @@ from launcher.backends.base import LauncherBackend, OptimizerFactory, Setup
 from launcher.backends.compile import compile_modules
 from launcher.backends.compile import options as compile_options
 from launcher.errors import CheckpointError, ConfigError
+from launcher.options import Section, key, section
 
 DIRNAME = "fsdp"  # the DCP files inside a checkpoint directory
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
+
+
+# -- the options: distributed.fsdp (torch-free; launcher/config composes the section from the registry) ---------
+DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+
+
+def wrap_value(v):
+    if v == "auto":
+        return None
+    if isinstance(v, list) and v and all(isinstance(c, str) and c.strip() for c in v):
+        return None
+    return f"expected 'auto' or a non-empty list of module class names, got {v!r}"
+
+
+def mesh_value(v):
+    # the product's match with the world size is checked with the world (FSDPBackend.validate)
+    if len(v) == 2 and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in v):
+        return None
+    return f"expected null or two positive integers [replicas, shards], got {v!r}"
+
+
+# distributed.fsdp (backend: fsdp; launcher/backends/fsdp.py applies them). Mixed precision changes the numbers;
+# sync mode, mesh, keeping parameters gathered, wrapping and offload do not (an OOM may be answered by resuming with
+# every_micro_batch; DCP reshards a checkpoint onto another mesh as onto another world size).
+@section(path="distributed.fsdp")
+class FSDPConfig(Section):
+    gradient_sync: str = key("boundary", train=False, choices=("boundary", "every_micro_batch", "reduce_scatter"),
+                             doc="`boundary`: gradient collectives only at the window's end; `every_micro_batch`: "
+                                 "every micro-batch; `reduce_scatter`: reduce-scatter every micro-batch, all-reduce "
+                                 "across replicas at the end (HSDP); see [FSDP2](fsdp.md)")
+    mesh: list[int] | None = key(None, train=False, check=mesh_value, hint="write e.g. [2, 4], or null",
+                                 doc="`[replicas, shards]` (HSDP: sharded inside each group of `shards` ranks, "
+                                     "replicated across `replicas` groups; the product is the world size); null: "
+                                     "one shard group of all ranks")
+    keep_gathered: bool = key(False, train=False, doc="parameters stay gathered across a window's micro-batches "
+                                                      "and are resharded at its end")
+    # module class names to fully_shard one by one before the root, or auto: the model's _no_split_modules
+    wrap: str | list[str] = key("auto", train=False, check=wrap_value, hint="write auto or e.g. [GPT2Block]",
+                                doc="class names of the modules sharded one by one, or `auto`: the model's "
+                                    "`_no_split_modules`")
+    reshard_after_forward: bool = key(True, train=False, doc="free gathered parameters after the forward")
+    param_dtype: str | None = key(None, train=True, choices=DTYPES,
+                                  doc="compute dtype (FSDP2's `MixedPrecisionPolicy`); null: the parameters'")
+    reduce_dtype: str | None = key(None, train=True, choices=DTYPES,
+                                   doc="dtype of the gradient reduce-scatter; null: `param_dtype`")
+    cpu_offload: bool = key(False, train=False, doc="FSDP2's `CPUOffloadPolicy`")
+
+
+# the key of the distributed section this back end owns: (annotation, declaration)
+OPTIONS = {"fsdp": (FSDPConfig, key(FSDPConfig, train=True, doc="FSDP2 settings (`backend: fsdp`)"))}
 
 
 def wrap_classes(options: dict, model) -> list[str]:
@@ -185,6 +236,7 @@ class FSDPBackend(LauncherBackend):
 
     name = "fsdp"
     sharded_checkpoint = True
+    options = OPTIONS
 
     def validate(self, cfg) -> None:
         acc = cfg.accumulation

@@ -17,6 +17,7 @@ COMMANDS = {
     "report": "launcher.cli.report",
     "plan": "launcher.cli.plan",
     "cbs": "launcher.cli.cbs",
+    "schema": "launcher.cli.schema",
 }
 
 

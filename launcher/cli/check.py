@@ -1,6 +1,9 @@
 """`accum-sched check CONFIG`: validate and print the schedule table. Never imports torch (login nodes)."""
 from __future__ import annotations
 
+import os
+import sys
+
 from accum_sched.planning import simulate_windows
 from launcher import backends, import_path, tasks
 from launcher.config import LR_SCHEDULERS, OPTIMIZERS, Config, load_config, trackers
@@ -19,9 +22,31 @@ def add_parser(sub) -> None:
     p.set_defaults(func=main)
 
 
-def preflight(cfg: Config) -> None:
+def cores() -> int:
+    """CPU cores this process may run on (its affinity: what a container or a SLURM step grants)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def warn_oversubscribed(cfg: Config, available: int | None = None) -> bool:
+    """Warn (not refuse: it still runs, slowly) when this machine starts more workers than it has cores."""
+    available = cores() if available is None else available
+    workers = cfg.distributed.nproc_per_node
+    if workers <= available:
+        return False
+    print(f"warning: distributed.nproc_per_node is {workers} but this machine has {available} CPU core(s): every "
+          f"worker imports torch and holds its own model, so start-up and steps are slow and memory grows with "
+          f"each; set distributed.nproc_per_node to {available} or fewer (or --set it) unless this is intended",
+          file=sys.stderr)
+    return True
+
+
+def preflight(cfg: Config, local: bool = True) -> None:
     """Everything that can be checked before any worker starts: task target (and a built-in's args), import
-    paths, DeepSpeed config."""
+    paths, DeepSpeed config. ``local``: the workers start on this machine (`run`, `check`), not on SLURM's nodes,
+    so more workers than its cores is worth a warning."""
     tasks.check_target(cfg.task.target)
     tasks.check_args(cfg.task.target, cfg.task.args)
     if cfg.optimizer.name not in OPTIMIZERS:
@@ -30,6 +55,8 @@ def preflight(cfg: Config) -> None:
         import_path.check("lr_scheduler.name", cfg.lr_scheduler.name, "MyScheduler")
     backends.get(cfg.distributed.backend).preflight(cfg)  # e.g. the DeepSpeed JSON against the launch's world
     trackers.preflight(cfg)  # logging.wandb / logging.mlflow: the package is installed
+    if local:
+        warn_oversubscribed(cfg)
 
 
 def main(args) -> int:

@@ -105,7 +105,7 @@ def _hint(output: str) -> str:
 def main(args) -> int:
     workdir = os.getcwd()
     cfg = load_config(args.config, _overrides(args))
-    preflight(cfg)
+    preflight(cfg, local=False)  # the workers run on the allocation's nodes, not here
     run_dir = os.path.abspath(cfg.run.output_dir)
     # The job may start from another directory: pin the run directory in the config the workers read.
     cfg = load_config(args.config, _overrides(args) + [f"run.output_dir={json.dumps(run_dir)}"])

@@ -1,5 +1,7 @@
 """The run configuration (torch-free: `accum-sched check` runs on login nodes). The keys are declared in
-sections.py; schema.py validates against them; reference.py prints the table in docs/cli.md."""
+sections.py (and each back end's options in its module in launcher/backends); schema.py validates against them with
+pydantic; reference.py prints the table in docs/cli.md; json_schema.py the JSON Schema of `accum-sched schema`."""
+from launcher.backends.fsdp import FSDPConfig
 from launcher.config.schema import (
                                     FSDP_SCHEMA,
                                     LR_SCHEDULERS,
@@ -22,7 +24,6 @@ from launcher.config.sections import (
                                     DataConfig,
                                     DistributedConfig,
                                     EvalConfig,
-                                    FSDPConfig,
                                     LoggingConfig,
                                     LRSchedulerConfig,
                                     OptimizerConfig,

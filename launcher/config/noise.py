@@ -4,37 +4,40 @@ Everything the engine would refuse at start-up is refused here first, naming the
 """
 from __future__ import annotations
 
-from launcher.errors import ConfigError
+import dataclasses
+from typing import Annotated
 
-# accumulation.adaptive keys: (kind, default, check) -- defaults as accum_sched.adaptive.AdaptiveFactor's
-ADAPTIVE_KEYS = {
-    "min_factor": ("int", 1, lambda v: v >= 1, "an integer >= 1"),
-    "max_factor": ("int", 16, lambda v: v >= 1, "an integer >= 1"),
-    "every_n_steps": ("int", 10, lambda v: v >= 1, "an integer >= 1"),
-    "ema": ("float", 0.95, lambda v: 0 <= v < 1, "a number in [0, 1), e.g. 0.95"),
-    "hysteresis": ("float", 0.25, lambda v: v >= 0, "a number >= 0, e.g. 0.25"),
-}
+from pydantic import Field, TypeAdapter
+from pydantic_core import PydanticCustomError
+
+from launcher.errors import ConfigError
+from launcher.options import options
+
+
+@options
+class AdaptiveOptions:
+    """``accumulation.adaptive``, with accum_sched.adaptive.AdaptiveFactor's defaults."""
+
+    min_factor: Annotated[int, Field(ge=1)] = 1
+    max_factor: Annotated[int, Field(ge=1)] = 16
+    every_n_steps: Annotated[int, Field(ge=1)] = 10
+    ema: Annotated[float, Field(ge=0, lt=1)] = 0.95
+    hysteresis: Annotated[float, Field(ge=0)] = 0.25
+
+    def __post_init__(self):
+        if self.max_factor < self.min_factor:
+            raise PydanticCustomError("check", "{problem}", {
+                "problem": f"{self.max_factor} is below min_factor {self.min_factor}", "field": "max_factor",
+                "hint": "give max_factor >= min_factor"})
+
+
 # LR schedulers whose shape needs the run's optimizer-step total (unknown when the factor adapts)
 NEEDS_TOTAL = ("linear", "cosine", "onecycle")
 
 
 def adaptive_settings(raw: dict) -> dict:
-    """``accumulation.adaptive`` with defaults filled in and every value checked."""
-    for key in raw:
-        if key not in ADAPTIVE_KEYS:
-            raise ConfigError(f"accumulation.adaptive.{key}", "unknown key",
-                              f"known keys: {', '.join(ADAPTIVE_KEYS)}")
-    out = {}
-    for key, (kind, default, ok, what) in ADAPTIVE_KEYS.items():
-        value = raw.get(key, default)
-        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not numeric or (kind == "int" and not isinstance(value, int)) or not ok(value):
-            raise ConfigError(f"accumulation.adaptive.{key}", f"{value!r} is not {what}", f"write {key}: {default}")
-        out[key] = float(value) if kind == "float" else int(value)
-    if out["max_factor"] < out["min_factor"]:
-        raise ConfigError("accumulation.adaptive.max_factor", f"{out['max_factor']} is below min_factor "
-                          f"{out['min_factor']}", "give max_factor >= min_factor")
-    return out
+    """``accumulation.adaptive`` (validated with the config) with its defaults filled in."""
+    return dataclasses.asdict(TypeAdapter(AdaptiveOptions).validate_python(raw))
 
 
 def measuring_field(acc) -> str | None:
@@ -52,7 +55,7 @@ def check(cfg) -> None:
     adaptive = acc.adaptive
     measuring = acc.noise_scale or adaptive is not None
     if adaptive is not None:
-        settings = adaptive_settings(adaptive)
+        settings = adaptive_settings(adaptive)  # already valid: the config's model checked it
         if cfg.world_size == 1 and settings["min_factor"] < 2:
             raise ConfigError("accumulation.adaptive.min_factor", "1 gives no noise-scale estimate in one process (it "
                               "compares the micro-batches of a window, and a window of one has a single batch size)",

@@ -1,10 +1,12 @@
-"""The run configuration: validation against the sections, safe YAML loading, `--set a.b=value` overrides,
-one-line errors.
+"""The run configuration: validation against the typed sections, safe YAML loading, `--set a.b.c=value`
+overrides, one-line errors.
 
-The keys are declared in sections.py (frozen dataclasses); ``SCHEMA`` is their validation view, ``{section: {key:
-Field}}``, derived from the declarations. No torch here (`accum-sched check` runs on login nodes). Validation
-returns a `Config` of read-only sections with attribute access (`cfg.data.micro_batch_size`) that serialise back to
-the resolved YAML written to `output_dir/config.yaml`.
+The keys are declared in sections.py and in each back end's module (launcher/options.py makes them pydantic
+dataclasses); pydantic validates, and :func:`validate` turns its first error into the one-line ConfigError (the
+key's path, what is wrong, how to fix it). ``SCHEMA`` is the declarations' view, ``{section: {key: Field}}``, for
+the reference in docs/cli.md, the config hash and --set. No torch here (`accum-sched check` runs on login nodes).
+Validation returns a `Config` of read-only sections with attribute access (`cfg.data.micro_batch_size`) that
+serialise back to the resolved YAML written to `output_dir/config.yaml`.
 """
 from __future__ import annotations
 
@@ -17,12 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pydantic
 import yaml
 
+from accum_sched import schedule_from
 from launcher import backends
 from launcher.config import noise as noise_config
 from launcher.config import sections
-from launcher.config import trackers as trackers_config
+from launcher.config.errors import config_error
 from launcher.config.sections import LR_SCHEDULERS, OPTIMIZERS, Config, Section  # noqa: F401 (re-exported)
 from launcher.errors import ConfigError
 
@@ -31,17 +35,18 @@ REQUIRED = object()  # the default of a required key
 
 @dataclass(frozen=True)
 class Field:
-    """How one key is validated, derived from its declaration in sections.py."""
+    """One key as declared (sections.py, a back end's OPTIONS): what the reference, --set and the hash read."""
 
     kind: str  # int, float, str, bool, mapping, schedule, any, list, section (a nested mapping with its own schema)
     default: Any = REQUIRED
     choices: tuple | None = None
     nullable: bool = False
-    check: Callable[[Any], str | None] | None = None  # returns a problem ("must be >= 1") or None
+    check: Callable[[Any], str | None] | Any = None
     hint: str = ""
-    schema: dict | None = None  # kind "section": the nested keys, validated like a section's (a.b.c paths)
+    schema: dict | None = None  # kind "section": the nested keys (a.b.c paths)
     doc: str = ""  # the key's line in the reference (python -m launcher.config.reference)
     train: bool = False  # part of the checkpoint's config hash (launcher/checkpoint/store.py: training_config)
+    model: type | None = None  # a mapping-valued key's typed options (checked by them, kept as written)
 
 
 _KINDS = {int: "int", float: "float", str: "str", bool: "bool", dict: "mapping", list: "list"}
@@ -62,12 +67,12 @@ def _kind(annotation) -> tuple[str, bool]:
 
 
 def fields_of(cls) -> dict[str, Field]:
-    """The validation view of a section dataclass: ``{key: Field}`` in declaration order."""
-    hints = typing.get_type_hints(cls)
+    """The declarations of a section class: ``{key: Field}`` in declaration order."""
+    declared = cls.__declared__
     out = {}
     for f in dataclasses.fields(cls):
         meta = f.metadata
-        kind, nullable = _kind(hints[f.name])
+        kind, nullable = _kind(declared[f.name])
         kind = meta.get("kind") or kind
         schema = fields_of(f.default_factory) if kind == "section" else None
         if f.default is not dataclasses.MISSING:
@@ -78,11 +83,8 @@ def fields_of(cls) -> dict[str, Field]:
         else:
             default = REQUIRED
         out[f.name] = Field(kind, default, meta.get("choices"), nullable, meta.get("check"), meta.get("hint", ""),
-                            schema, meta.get("doc", ""), bool(meta.get("train")))
+                            schema, meta.get("doc", ""), bool(meta.get("train")), meta.get("model"))
     return out
-
-
-_CONFIG_HINTS = typing.get_type_hints(Config)
 
 
 def _section_class(annotation) -> type:
@@ -90,6 +92,7 @@ def _section_class(annotation) -> type:
     return next(a for a in typing.get_args(annotation) or (annotation,) if a is not type(None))
 
 
+_CONFIG_HINTS = typing.get_type_hints(Config)
 SECTION_CLASSES: dict[str, type] = {f.name: _section_class(_CONFIG_HINTS[f.name]) for f in dataclasses.fields(Config)}
 SCHEMA: dict[str, dict[str, Field]] = {name: fields_of(cls) for name, cls in SECTION_CLASSES.items()}
 FSDP_SCHEMA: dict[str, Field] = SCHEMA["distributed"]["fsdp"].schema
@@ -114,110 +117,40 @@ def key_paths() -> dict[str, Field]:
 # Sections that may be written as `null` as a whole (e.g. `lr_scheduler: null` for a constant LR).
 NULLABLE_SECTIONS = {name for name in SCHEMA if _kind(_CONFIG_HINTS[name])[1]}
 REQUIRED_SECTIONS = {name for name, keys in SCHEMA.items() if any(f.default is REQUIRED for f in keys.values())}
+_CONFIG = pydantic.TypeAdapter(Config)
 
 
-def _did_you_mean(word: str, options) -> str:
+def did_you_mean(word: str, options) -> str:
     close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
     known = ", ".join(options)
     return f"did you mean {close[0]!r}? (known: {known})" if close else f"known keys: {known}"
 
 
-def _coerce(path: str, field: Field, value):
-    if value is None:
-        if field.nullable:
-            return None
-        raise ConfigError(path, "must not be null", field.hint or "give a value or remove the key for the default")
-    kind = field.kind
-    if kind == "schedule":
-        return _schedule_value(path, value)
-    if kind == "section":
-        return _section_value(path, field.schema, value)
-    if kind == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(path, f"expected an integer, got {value!r}", field.hint or "write a whole number")
-    elif kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(path, f"expected a number, got {value!r}", field.hint or "write e.g. 0.001")
-        value = float(value)
-    elif kind == "bool":
-        if not isinstance(value, bool):
-            raise ConfigError(path, f"expected true or false, got {value!r}", "write true or false")
-    elif kind == "str":
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and field.choices is None:
-            value = str(value)  # `--set run.output_dir=123` means the directory "123"
-        if not isinstance(value, str):
-            raise ConfigError(path, f"expected a string, got {value!r}", field.hint or "quote the value")
-    elif kind == "mapping":
-        if not isinstance(value, dict):
-            raise ConfigError(path, f"expected a mapping, got {value!r}", "write key: value pairs, e.g. {a: 1}")
-    elif kind == "list":
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(path, f"expected a list, got {value!r}", field.hint or "write e.g. [0.9, 0.999]")
-        value = list(value)
-    if field.choices is not None and value not in field.choices:
-        raise ConfigError(path, f"{value!r} is not one of {', '.join(map(str, field.choices))}",
-                          _did_you_mean(str(value), field.choices) if isinstance(value, str) else "")
-    if field.check is not None:
-        problem = field.check(value)
-        if problem:
-            raise ConfigError(path, problem, field.hint or "change the value")
-    return value
-
-
-def _section_value(path: str, schema: dict, value) -> dict:
-    """A nested mapping checked key by key against ``schema`` (errors name ``path.key``); defaults filled in."""
-    if not isinstance(value, dict):
-        raise ConfigError(path, f"expected a mapping, got {value!r}", f"write e.g. {{{next(iter(schema))}: ...}}")
-    for key in value:
-        if key not in schema:
-            raise ConfigError(f"{path}.{key}", "unknown key", _did_you_mean(str(key), schema))
-    return {key: _coerce(f"{path}.{key}", f, value[key]) if key in value else f.default for key, f in schema.items()}
-
-
-def _schedule_value(path: str, value):
-    """Keep the schedule as plain YAML data ({int: int}, a string or an int); checked later with its unit."""
-    if isinstance(value, dict):
-        return {(int(k) if isinstance(k, str) and k.strip().isdigit() else k): v for k, v in value.items()}
-    if isinstance(value, (int, str)) and not isinstance(value, bool):
-        return value
-    raise ConfigError(path, f"expected a mapping {{epoch: factor}}, a string like '0:1,5:2' or an int, got {value!r}",
-                      "write e.g. {0: 1, 5: 2, 10: 4}")
+_did_you_mean = did_you_mean
 
 
 def validate(raw: dict) -> Config:
-    """Check ``raw`` (parsed YAML) against the schema; fill defaults; raise ConfigError naming the field."""
+    """Check ``raw`` (parsed YAML) against the typed sections; fill defaults; raise ConfigError naming the field."""
     if not isinstance(raw, dict):
         raise ConfigError("config", f"the file must hold a mapping of sections, got {type(raw).__name__}",
                           "start with e.g. 'task: {target: builtin:regression}'")
     for name in raw:
         if name not in SCHEMA:
-            raise ConfigError(str(name), "unknown section", _did_you_mean(str(name), SCHEMA))
-    built: dict[str, Section | None] = {}
-    for name, fields in SCHEMA.items():
-        given = raw.get(name, {} if name not in REQUIRED_SECTIONS else None)
-        if given is None:
-            if name in NULLABLE_SECTIONS and name in raw:
-                built[name] = None
-                continue
+            raise ConfigError(str(name), "unknown section", did_you_mean(str(name), SCHEMA))
+    given = {}
+    for name in SCHEMA:
+        value = raw.get(name)
+        if value is None and not (name in NULLABLE_SECTIONS and name in raw):
             if name in REQUIRED_SECTIONS:
                 raise ConfigError(name, "section is missing", f"add a '{name}:' section")
-            given = {}
-        if not isinstance(given, dict):
-            raise ConfigError(name, f"expected a mapping, got {given!r}", f"write '{name}: {{key: value}}'")
-        for key in given:
-            if key not in fields:
-                raise ConfigError(f"{name}.{key}", "unknown key", _did_you_mean(str(key), fields))
-        values = {}
-        for key, field in fields.items():
-            path = f"{name}.{key}"
-            if key in given:
-                values[key] = _coerce(path, field, given[key])
-            elif field.default is REQUIRED:
-                raise ConfigError(path, "is required", field.hint or f"add '{key}:' under '{name}:'")
-            else:
-                values[key] = dict(field.default) if field.kind == "section" else field.default
-        built[name] = sections.make(SECTION_CLASSES[name], values)
-    cfg = Config(**built)
+            value = {}  # absent, or written empty: all defaults
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(name, f"expected a mapping, got {value!r}", f"write '{name}: {{key: value}}'")
+        given[name] = value
+    try:
+        cfg = _CONFIG.validate_python(given)
+    except pydantic.ValidationError as exc:
+        raise config_error(exc, Config) from None
     _cross_check(cfg)
     raw = backends.get(cfg.distributed.backend).resolve_raw(cfg)  # DeepSpeed's JSON may hold the schedule
     if raw is not None:
@@ -259,71 +192,38 @@ def _cross_check(cfg: Config) -> None:
     elif sched is not None and sched.args:
         raise ConfigError("lr_scheduler.args", f"applies to a scheduler given by import path, not {sched.name}",
                           "remove it, or name a scheduler class such as torch.optim.lr_scheduler.StepLR")
-    _check_eval(cfg.eval)
-    _check_compile(cfg.run.compile)
     _check_co_scale(cfg)
     _check_schedule_from(cfg)
     del schedule
     noise_config.check(cfg)
-    trackers_config.check(cfg)
-
-
-def _mapping_of(field: str, value, keys: tuple, example: str) -> bool:
-    """False for null; True for a mapping of known keys; ConfigError otherwise (the unknown key named)."""
-    if value is None:
-        return False
-    if not isinstance(value, dict):
-        raise ConfigError(field, f"expected a mapping or null, got {value!r}", f"write e.g. {example}")
-    for k in value:
-        if k not in keys:
-            raise ConfigError(f"{field}.{k}", "unknown key", _did_you_mean(str(k), keys))
-    return True
 
 
 def _check_co_scale(cfg: Config) -> None:
-    """``accumulation.co_scale``: known keys and rules, one LR rule (``lr_coupling`` is its alias), and rules the
-    named optimizer can take (an optimizer given by import path is checked when the worker builds it)."""
-    from accum_sched import co_scale
-
+    """``accumulation.co_scale`` against the other keys (its own keys and rules: sections.CoScaleRules): one LR rule
+    (``lr_coupling`` is its alias), and rules the named optimizer can take (an optimizer given by import path is
+    checked when the worker builds it)."""
     acc, field = cfg.accumulation, "accumulation.co_scale"
-    rules = acc.co_scale
-    if not _mapping_of(field, rules, tuple(co_scale.KEYS), "{lr: auto, beta2: half_life, weight_decay: tau}"):
-        return
-    for k, value in rules.items():
-        allowed = co_scale.KEYS[k]
-        if value not in allowed:
-            raise ConfigError(f"{field}.{k}", f"{value!r} is not one of {', '.join(allowed)}",
-                              _did_you_mean(str(value), allowed) if isinstance(value, str) else "")
+    rules = acc.co_scale or {}
     lr = rules.get("lr", "none")
     if acc.lr_coupling != "none" and lr not in ("none", acc.lr_coupling):
         raise ConfigError(f"{field}.lr", f"is {lr} but accumulation.lr_coupling is {acc.lr_coupling}",
                           "keep one of them (lr_coupling is the same rule under its older name)")
-    name = cfg.optimizer.name
-    if rules.get("beta2", "none") != "none" and name == "sgd":
+    if rules.get("beta2", "none") != "none" and cfg.optimizer.name == "sgd":
         raise ConfigError(f"{field}.beta2", f"{rules['beta2']} needs an optimizer with betas, and sgd has none",
                           "set beta2: none, or use optimizer.name: adamw")
 
 
 def _check_schedule_from(cfg: Config) -> None:
-    """``accumulation.schedule_from``: a rule that converts the configured LR scheduler, alone (docs/batch-size.md)."""
-    from accum_sched import schedule_from
-
+    """``accumulation.schedule_from`` against the other keys (its own: sections.ScheduleFromSpec): a rule that
+    converts the configured LR scheduler, alone (docs/batch-size.md)."""
     acc, field = cfg.accumulation, "accumulation.schedule_from"
-    spec = acc.schedule_from
-    if not _mapping_of(field, spec, schedule_from.KEYS, "{rule: seesaw, max_factor: 8}"):
+    if acc.schedule_from is None:
         return
-    if spec.get("rule") not in schedule_from.RULES:
-        raise ConfigError(f"{field}.rule", f"{spec.get('rule')!r} is not one of {', '.join(schedule_from.RULES)}",
-                          "write rule: smith or rule: seesaw")
-    cap = spec.get("max_factor", 8)
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-        raise ConfigError(f"{field}.max_factor", f"{cap!r} is not an integer >= 1", "write e.g. max_factor: 8")
     for other in ("schedule", "global_batch", "adaptive"):
         if acc[other] is not None:
             raise ConfigError(field, f"is given together with accumulation.{other}",
                               "keep one: schedule_from derives the schedule from the LR scheduler")
-    lr_rule = (acc.co_scale or {}).get("lr", "none") if isinstance(acc.co_scale, dict) else "none"
-    if acc.lr_coupling != "none" or lr_rule != "none":
+    if acc.lr_coupling != "none" or (acc.co_scale or {}).get("lr", "none") != "none":
         raise ConfigError(field, "sets the LR of every step itself, so an LR rule on top would count the batch twice",
                           "set accumulation.lr_coupling and co_scale.lr to none (beta2 and weight_decay may follow)")
     if acc.unit not in schedule_from.UNITS:
@@ -334,51 +234,8 @@ def _check_schedule_from(cfg: Config) -> None:
                           "configure the LR scheduler you would decay with, e.g. {name: cosine}")
 
 
-COMPILE_KEYS = ("mode", "dynamic", "fullgraph")
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-
-
-def _check_compile(value) -> None:
-    """``run.compile``: false, true, or a mapping of torch.compile's ``mode``, ``dynamic``, ``fullgraph``."""
-    if isinstance(value, bool):
-        return
-    if not isinstance(value, dict):
-        raise ConfigError("run.compile", f"expected true, false or a mapping, got {value!r}",
-                          "write run.compile: true, or e.g. {mode: default, dynamic: false}")
-    for k in value:
-        if k not in COMPILE_KEYS:
-            raise ConfigError(f"run.compile.{k}", "unknown key", _did_you_mean(str(k), COMPILE_KEYS))
-    mode = value.get("mode")
-    if mode is not None and mode not in COMPILE_MODES:
-        raise ConfigError("run.compile.mode", f"{mode!r} is not one of {', '.join(COMPILE_MODES)}",
-                          _did_you_mean(str(mode), COMPILE_MODES) if isinstance(mode, str) else "")
-    dynamic = value.get("dynamic")
-    if dynamic is not None and not isinstance(dynamic, bool):
-        raise ConfigError("run.compile.dynamic", f"expected true, false or null, got {dynamic!r}",
-                          "null lets torch.compile decide (it marks a size dynamic when it changes)")
-    if not isinstance(value.get("fullgraph", False), bool):
-        raise ConfigError("run.compile.fullgraph", f"expected true or false, got {value['fullgraph']!r}",
-                          "write true or false")
-
-
-def _check_eval(section) -> None:
-    stop = section.early_stop
-    if stop is None:
-        return
-    if not isinstance(stop, dict):
-        raise ConfigError("eval.early_stop", f"expected a mapping or null, got {stop!r}",
-                          "write e.g. {patience: 3, min_delta: 0.0}")
-    for key in stop:
-        if key not in ("patience", "min_delta"):
-            raise ConfigError(f"eval.early_stop.{key}", "unknown key", "known keys: patience, min_delta")
-    patience = stop.get("patience")
-    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-        raise ConfigError("eval.early_stop.patience", f"must be an integer >= 1, got {patience!r}",
-                          "stop after this many evaluations without improvement, e.g. 3")
-    delta = stop.get("min_delta", 0.0)
-    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or delta < 0:
-        raise ConfigError("eval.early_stop.min_delta", f"must be a number >= 0, got {delta!r}",
-                          "the least change of eval.monitor that counts as an improvement, e.g. 0.001")
+COMPILE_KEYS = tuple(f.name for f in dataclasses.fields(sections.CompileOptions))
+COMPILE_MODES = sections.COMPILE_MODES
 
 
 # -- loading ----------------------------------------------------------------------------------------------------
@@ -417,6 +274,7 @@ def _expanded_size(node, field: str, sizes: dict, open_: set) -> int:
     if isinstance(node, yaml.SequenceNode):
         size += sum(_expanded_size(child, field, sizes, open_) for child in node.value)
     elif isinstance(node, yaml.MappingNode):
+        _no_repeated_key(node, field)
         size += sum(_expanded_size(k, field, sizes, open_) + _expanded_size(v, field, sizes, open_)
                     for k, v in node.value)
     open_.discard(key)
@@ -427,9 +285,29 @@ def _expanded_size(node, field: str, sizes: dict, open_: set) -> int:
     return size
 
 
+def _no_repeated_key(node, field: str) -> None:
+    """A key written twice in one mapping (``{0: 1, 0: 4}``) is refused: YAML loaders keep the last one silently.
+    Keys merged in with ``<<: *alias`` may be overridden, as YAML intends."""
+    seen: dict = {}
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        name = (key_node.tag, key_node.value)
+        line = key_node.start_mark.line + 1
+        if name in seen:
+            raise ConfigError(field, f"the key {key_node.value!r} is written twice in one mapping (lines {seen[name]} "
+                              f"and {line}), and only one value could count", "keep one of the two lines")
+        seen[name] = line
+
+
 def read_yaml(path: str) -> dict:
     """Safe-load a YAML file; syntax errors become one line with line and column. The file must be UTF-8, hold a
     mapping of sections and stay within MAX_YAML_VALUES once its aliases are expanded."""
+    if os.path.isdir(path):
+        inside = os.path.join(path, "config.yaml")
+        raise ConfigError("config", f"{path!r} is a directory, not a config file",
+                          f"give {inside} (a run directory's resolved config)" if os.path.isfile(inside)
+                          else "give the path of a YAML file (accum-sched run CONFIG.yaml)")
     if not os.path.isfile(path):
         raise ConfigError("config", f"file {path!r} not found", "check the path (accum-sched run CONFIG.yaml)")
     try:
@@ -452,42 +330,58 @@ def read_yaml(path: str) -> dict:
     return {} if data is None else data
 
 
+def _override_field(key: str, parts: list[str]) -> Field | None:
+    """The declared key ``parts`` reaches (None inside a mapping-valued key: the value is checked where it lands);
+    ConfigError for a section, key or nested key that does not exist, or a path through a plain value."""
+    section, *rest = parts
+    if section not in SCHEMA:
+        raise ConfigError(section, "unknown section", did_you_mean(section, SCHEMA))
+    if not rest:
+        raise ConfigError("--set", f"{key!r} is a section, not a key", f"write e.g. --set {section}."
+                          f"{next(iter(SCHEMA[section]))}=VALUE")
+    fields, field = SCHEMA[section], None
+    for depth, name in enumerate(rest):
+        if field is not None and field.kind != "section":
+            if field.kind in ("mapping", "any", "schedule") or field.model is not None:
+                return None  # task.args.n, accumulation.adaptive.min_factor: inside a mapping
+            where = ".".join(parts[:depth + 1])
+            raise ConfigError("--set", f"{key!r} goes inside {where}, which holds a {field.kind}, not a mapping",
+                              f"write --set {where}=VALUE")
+        if field is not None:
+            fields = field.schema
+        if name not in fields:
+            raise ConfigError(".".join(parts[:depth + 2]), "unknown key", did_you_mean(name, fields))
+        field = fields[name]
+    return field
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply ``a.b=value`` overrides (values parsed as YAML, then typed by the schema) to a copy of ``raw``."""
+    """Apply ``a.b.c=value`` overrides to a copy of ``raw``: any key by its dotted path, one value inside a mapping
+    (``task.args.n=200``) too. Values are parsed as YAML, then typed by the schema (a text key keeps the text)."""
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError("--set", f"{item!r} is not key=value", "write e.g. --set optimizer.lr=0.01")
         key, text = item.split("=", 1)
-        parts = key.strip().split(".")
-        nested = len(parts) == 3 and parts[0] in SCHEMA and SCHEMA[parts[0]].get(parts[1]) is not None \
-            and SCHEMA[parts[0]][parts[1]].kind == "section"
-        if len(parts) != 2 and not nested:
-            raise ConfigError("--set", f"{key!r} is not section.key", "write e.g. --set data.micro_batch_size=32")
-        section, name = parts[:2]
-        if section not in SCHEMA:
-            raise ConfigError(section, "unknown section", _did_you_mean(section, SCHEMA))
-        if name not in SCHEMA[section]:
-            raise ConfigError(key, "unknown key", _did_you_mean(name, SCHEMA[section]))
-        if nested:
-            schema = SCHEMA[section][name].schema
-            if parts[2] not in schema:
-                raise ConfigError(key, "unknown key", _did_you_mean(parts[2], schema))
+        key = key.strip()
+        parts = key.split(".")
+        if not all(parts):
+            raise ConfigError("--set", f"{key!r} is not a dotted key path", "write e.g. --set task.args.n=200")
+        field = _override_field(key, parts)
         try:
             value = safe_load(text, f"--set {key}") if text.strip() else ""
         except yaml.YAMLError:
             value = text
-        field = SCHEMA[section][name].schema[parts[2]] if nested else SCHEMA[section][name]
-        if field.kind == "str" and not isinstance(value, str) and value is not None:
-            value = text  # typed by the schema: a string field keeps the text as written
-        current = out.get(section)
-        out[section] = dict(current) if isinstance(current, dict) else {}
-        if nested:
-            inner = out[section].get(name)
-            out[section][name] = dict(inner) if isinstance(inner, dict) else {}
-            out[section][name][parts[2]] = value
-        else:
-            out[section][name] = value
+        on_off = field is not None and isinstance(value, bool) and {"on", "off"} <= set(field.choices or ())
+        if field is not None and field.kind == "str" and not isinstance(value, str) and value is not None \
+                and not on_off:
+            value = text  # typed by the schema: a text key keeps the text as written (YAML's on/off: on/off)
+        node = out
+        for part in parts[:-1]:  # copies down the path: the caller's raw stays as it was
+            inner = node.get(part)
+            node[part] = dict(inner) if isinstance(inner, dict) else {}
+            node = node[part]
+        node[parts[-1]] = value
     return out
 
 

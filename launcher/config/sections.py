@@ -1,118 +1,91 @@
-"""The config's sections as frozen dataclasses: every key with its type, default, check, one-line doc and mark.
+"""The config's sections as typed, frozen pydantic dataclasses: every key with its type, default, check, doc and mark.
 
-The dataclasses are the schema. Each key is declared with :func:`key`, whose metadata holds what validation needs
-(choices, check, hint), the line of the reference in docs/cli.md (``doc``, printed by
-``python -m launcher.config.reference``) and ``train``: whether the key changes what is trained. The checkpoint's
-config hash (launcher/checkpoint/store.py: training_config) covers exactly the keys marked ``train=True``, so every
-new key has to say (the argument is required) whether a checkpoint made under another value may be resumed. The
-hash leaves out keys at their default, so a key added with its default keeps older checkpoints resumable; the other
-side of that: changing the default of a hashed key changes what older checkpoints recorded by leaving it out.
+The sections are the schema. Each key is declared with :func:`launcher.options.key`, whose metadata holds what
+validation needs (choices, check, hint, the typed options of a mapping-valued key), the line of the reference in
+docs/cli.md (``doc``, printed by ``python -m launcher.config.reference``) and ``train``: whether the key changes what
+is trained. The checkpoint's config hash (launcher/checkpoint/store.py: training_config) covers exactly the keys
+marked ``train=True``, so every new key has to say (the argument is required) whether a checkpoint made under another
+value may be resumed. The hash leaves out keys at their default, so a key added with its default keeps older
+checkpoints resumable; the other side of that: changing the default of a hashed key changes what older checkpoints
+recorded by leaving it out.
 
 The type of a key is its annotation: ``int``, ``float``, ``str``, ``bool``, ``dict`` (a mapping), ``list``, a union
-of several (any value, left to the check), a nested section (``FSDPConfig``); ``| None`` allows null. Validation and
-coercion live in schema.py; torch-free, like all of launcher/config.
+of several, a nested section (``FSDPConfig``); ``| None`` allows null. :func:`launcher.options.section` makes each
+annotation the strict pydantic type that validates it; a back end's keys (``distributed.fsdp``,
+``distributed.deepspeed_config``) are declared in its own module and added to DistributedConfig from the registry.
+Rules between keys live in schema.py; torch-free, like all of launcher/config.
 """
 from __future__ import annotations
 
-import copy
-import functools
-from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, ClassVar
+import dataclasses
+from typing import Annotated, ClassVar, Literal
 
+import pydantic
+
+from accum_sched import co_scale, schedule_from
 from accum_sched.schedule import UNITS, AccumulationSchedule
 from launcher import backends
+from launcher.config.noise import AdaptiveOptions
+from launcher.config.trackers import MLflowOptions, WandbOptions
 from launcher.errors import ConfigError
+from launcher.import_path import looks_like_path
+from launcher.options import MODEL_CONFIG, Section, at_least, key, options, positive, section
 
-
-def key(default: Any = MISSING, *, doc: str, train: bool, choices: tuple | None = None, check=None, hint: str = "",
-        kind: str | None = None):
-    """A config key. ``default`` omitted: required. ``train``: the key is part of the checkpoint's config hash.
-    ``check(value)`` returns a problem ("must be >= 1, got 0") or None; ``hint`` is the error line's how-to-fix;
-    ``kind`` overrides what the annotation says (only "schedule": plain YAML data checked later with its unit)."""
-    meta = {"doc": doc, "train": train, "choices": choices, "check": check, "hint": hint, "kind": kind}
-    if isinstance(default, (dict, list)):
-        return field(default_factory=functools.partial(copy.deepcopy, default), metadata=meta)
-    if isinstance(default, type):  # a nested section: its own defaults
-        return field(default_factory=default, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-class Section(Mapping):
-    """A read-only config section: ``section.key``, ``section["key"]``, ``section.get(key)``, ``to_dict()``."""
-
-    SECTION: ClassVar[str] = ""  # the path of the section in the config ("distributed.fsdp")
-
-    def __getattr__(self, key):  # only reached for keys the dataclass does not have
-        raise AttributeError(f"config section {self.SECTION!r} has no key {key!r}")
-
-    def __getitem__(self, key):
-        if key not in self.keys():
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __iter__(self):
-        return iter(self.keys())
-
-    def __len__(self) -> int:
-        return len(fields(self))
-
-    def keys(self):
-        return [f.name for f in fields(self)]
-
-    def to_dict(self) -> dict:
-        """Plain data, nested sections included (what config.yaml holds)."""
-        return {k: (v.to_dict() if isinstance(v, Section) else v) for k, v in ((k, getattr(self, k)) for k in self)}
-
-
-def make(cls, values: dict):
-    """``cls(**values)`` with nested sections given as mappings built too."""
-    kinds = {f.name: f.default_factory for f in fields(cls) if isinstance(f.default_factory, type)
-             and issubclass(f.default_factory, Section)}
-    return cls(**{k: (make(kinds[k], v) if k in kinds and isinstance(v, dict) else v) for k, v in values.items()})
-
-
-# -- checks -----------------------------------------------------------------------------------------------------
-def at_least(low):
-    return lambda v: None if v >= low else f"must be >= {low}, got {v}"
-
-
-def positive(v):
-    return None if v > 0 else f"must be > 0, got {v}"
+__all__ = ["Config", "Section", "at_least", "key", "positive", "section"]
 
 
 def name_or_path(known):
     def check(value):
-        from launcher.import_path import looks_like_path
-
         if value in known or looks_like_path(value):
             return None
         return f"{value!r} is not one of {', '.join(known)} nor an import path"
     return check
 
 
-def wrap_value(v):
-    if v == "auto":
-        return None
-    if isinstance(v, list) and v and all(isinstance(c, str) and c.strip() for c in v):
-        return None
-    return f"expected 'auto' or a non-empty list of module class names, got {v!r}"
+# -- the typed options of mapping-valued keys: the value stays the mapping as written (config.yaml, the hash) --
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def mesh_value(v):
-    # the product's match with the world size is checked with the world (launcher/backends/fsdp.py: validate)
-    if len(v) == 2 and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in v):
-        return None
-    return f"expected null or two positive integers [replicas, shards], got {v!r}"
+@options
+class CompileOptions:
+    """``run.compile`` as a mapping: torch.compile's keywords."""
+
+    mode: Literal[COMPILE_MODES] | None = None
+    dynamic: bool | None = None  # null lets torch.compile decide (it marks a size dynamic when it changes)
+    fullgraph: bool = False
+
+
+@options
+class EarlyStop:
+    """``eval.early_stop``: stop after ``patience`` evaluations without an improvement of at least ``min_delta``."""
+
+    patience: Annotated[int, pydantic.Field(ge=1)]
+    min_delta: Annotated[float, pydantic.Field(ge=0)] = 0.0
+
+
+@options
+class CoScaleRules:
+    """``accumulation.co_scale``: the rules of accum_sched.co_scale (its KEYS name each key's choices)."""
+
+    lr: Literal[co_scale.KEYS["lr"]] = "none"
+    beta2: Literal[co_scale.KEYS["beta2"]] = "none"
+    weight_decay: Literal[co_scale.KEYS["weight_decay"]] = "none"
+
+
+@options
+class ScheduleFromSpec:
+    """``accumulation.schedule_from``: accum_sched.schedule_from's rule and cap."""
+
+    rule: Literal[schedule_from.RULES]
+    max_factor: Annotated[int, pydantic.Field(ge=1)] = 8
 
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULERS = ("constant", "linear", "cosine", "onecycle")
-DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 
 
 # -- the sections -----------------------------------------------------------------------------------------------
-@dataclass(frozen=True, eq=False)
+@section
 class RunConfig(Section):
     SECTION: ClassVar[str] = "run"
     output_dir: str = key("runs/run", train=False, doc="the run directory")
@@ -125,13 +98,13 @@ class RunConfig(Section):
     max_steps: int | None = key(None, train=True, check=at_least(1),
                                 doc="end the run after this many optimizer steps (null: after `run.epochs`); what "
                                     "ends a run on an endless stream, see [Streams](data.md)")
-    compile: bool | dict = key(False, train=False, kind="any",
+    compile: bool | dict = key(False, train=False, model=CompileOptions,
                                doc="`torch.compile` the model: false, true, or `{mode, dynamic, fullgraph}` passed "
                                    "to it (single process, DDP, FSDP2 per block); see "
                                    "[torch.compile](training.md#torchcompile)")
 
 
-@dataclass(frozen=True, eq=False)
+@section
 class TaskConfig(Section):
     SECTION: ClassVar[str] = "task"
     target: str = key(train=True, hint="write 'module:function' or 'builtin:regression'",
@@ -140,7 +113,7 @@ class TaskConfig(Section):
     args: dict = key({}, train=True, doc="keyword arguments of the task function")
 
 
-@dataclass(frozen=True, eq=False)
+@section
 class DataConfig(Section):
     SECTION: ClassVar[str] = "data"
     micro_batch_size: int = key(train=True, check=at_least(1), doc="samples per micro-batch per rank")
@@ -153,11 +126,11 @@ class DataConfig(Section):
                          "shards it itself; see [Streams](data.md)")
 
 
-@dataclass(frozen=True, eq=False)
+@section
 class AccumulationConfig(Section):
     SECTION: ClassVar[str] = "accumulation"
     schedule: dict[int, int] | str | int | None = key(
-        None, train=True, kind="schedule",
+        None, train=True, kind="schedule", hint="write e.g. {0: 1, 5: 2, 10: 4}",
         doc="factor per epoch (or `unit`), e.g. `{0: 1, 4: 2}`; null: factor 1 or `global_batch`'s; see "
             "[Schedules](guide.md#schedules)")
     global_batch: int | None = key(None, train=True, check=at_least(1),
@@ -165,10 +138,10 @@ class AccumulationConfig(Section):
     lr_coupling: str = key("none", train=True, choices=("none", "linear", "sqrt", "adascale"),
                            doc="`none`, `linear`, `sqrt`, `adascale` (needs the noise scale; see "
                                "[adaptive](adaptive.md))")
-    schedule_from: dict | None = key(None, train=True,
+    schedule_from: dict | None = key(None, train=True, model=ScheduleFromSpec,
                                      doc="`{rule: smith|seesaw, max_factor}`: the factor grows where the LR scheduler "
                                          "would decay, instead of `schedule` ([batch size](batch-size.md))")
-    co_scale: dict | None = key(None, train=True,
+    co_scale: dict | None = key(None, train=True, model=CoScaleRules,
                                 doc="`{lr: none|linear|sqrt|auto, beta2: none|half_life, weight_decay: none|tau}`: "
                                     "the optimizer follows the effective batch ([batch size](batch-size.md))")
     unit: str = key("epoch", train=True, choices=UNITS, doc="what the schedule is keyed by: `epoch`, `step`, "
@@ -182,12 +155,12 @@ class AccumulationConfig(Section):
     # the gradient noise scale of every window, and a factor that follows it (launcher/config/noise.py)
     noise_scale: bool = key(False, train=True, doc="measure the gradient noise scale of every step into "
                                                    "metrics.jsonl ([adaptive](adaptive.md))")
-    adaptive: dict | None = key(None, train=True,
+    adaptive: dict | None = key(None, train=True, model=AdaptiveOptions,
                                 doc="`{min_factor, max_factor, every_n_steps, ema, hysteresis}`: the factor follows "
                                     "the noise scale instead of a schedule ([adaptive](adaptive.md))")
 
 
-@dataclass(frozen=True, eq=False)
+@section
 class OptimizerConfig(Section):
     SECTION: ClassVar[str] = "optimizer"
     name: str = key("adamw", train=True, check=name_or_path(OPTIMIZERS),
@@ -205,7 +178,7 @@ class OptimizerConfig(Section):
                                       doc="clip the global gradient norm on every step")
 
 
-@dataclass(frozen=True, eq=False)
+@section
 class LRSchedulerConfig(Section):
     SECTION: ClassVar[str] = "lr_scheduler"
     name: str = key("constant", train=True, check=name_or_path(LR_SCHEDULERS),
@@ -220,7 +193,7 @@ class LRSchedulerConfig(Section):
 
 # Validation (launcher/train/evaluate.py): after every n epochs and/or every n optimizer steps, when the task returns a
 # val_dataset. monitor/mode choose model-best.pt; early_stop is null or {patience, min_delta}.
-@dataclass(frozen=True, eq=False)
+@section
 class EvalConfig(Section):
     SECTION: ClassVar[str] = "eval"
     every_n_epochs: int | None = key(1, train=False, check=at_least(1),
@@ -233,38 +206,20 @@ class EvalConfig(Section):
     monitor: str = key("val_loss", train=False, doc="what model-best.pt and early stopping look at: `val_loss` or "
                                                     "a `metrics_fn` name")
     mode: str = key("min", train=False, choices=("min", "max"), doc="`min` or `max` of `eval.monitor` is best")
-    early_stop: dict | None = key(None, train=False, kind="any", doc="null, or `{patience: 3, min_delta: 0.0}`")
+    early_stop: dict | None = key(None, train=False, model=EarlyStop, doc="null, or `{patience: 3, min_delta: 0.0}`")
 
 
-# distributed.fsdp (backend: fsdp; launcher/backends/fsdp.py applies them). Mixed precision changes the numbers;
-# sync mode, mesh, keeping parameters gathered, wrapping and offload do not (an OOM may be answered by resuming with
-# every_micro_batch; DCP reshards a checkpoint onto another mesh as onto another world size).
-@dataclass(frozen=True, eq=False)
-class FSDPConfig(Section):
-    SECTION: ClassVar[str] = "distributed.fsdp"
-    gradient_sync: str = key("boundary", train=False, choices=("boundary", "every_micro_batch", "reduce_scatter"),
-                             doc="`boundary`: gradient collectives only at the window's end; `every_micro_batch`: "
-                                 "every micro-batch; `reduce_scatter`: reduce-scatter every micro-batch, all-reduce "
-                                 "across replicas at the end (HSDP); see [FSDP2](fsdp.md)")
-    mesh: list[int] | None = key(None, train=False, check=mesh_value, hint="write e.g. [2, 4], or null",
-                                 doc="`[replicas, shards]` (HSDP: sharded inside each group of `shards` ranks, "
-                                     "replicated across `replicas` groups; the product is the world size); null: "
-                                     "one shard group of all ranks")
-    keep_gathered: bool = key(False, train=False, doc="parameters stay gathered across a window's micro-batches "
-                                                      "and are resharded at its end")
-    # module class names to fully_shard one by one before the root, or auto: the model's _no_split_modules
-    wrap: str | list[str] = key("auto", train=False, check=wrap_value, hint="write auto or e.g. [GPT2Block]",
-                                doc="class names of the modules sharded one by one, or `auto`: the model's "
-                                    "`_no_split_modules`")
-    reshard_after_forward: bool = key(True, train=False, doc="free gathered parameters after the forward")
-    param_dtype: str | None = key(None, train=True, choices=DTYPES,
-                                  doc="compute dtype (FSDP2's `MixedPrecisionPolicy`); null: the parameters'")
-    reduce_dtype: str | None = key(None, train=True, choices=DTYPES,
-                                   doc="dtype of the gradient reduce-scatter; null: `param_dtype`")
-    cpu_offload: bool = key(False, train=False, doc="FSDP2's `CPUOffloadPolicy`")
+def _with_backend_options(cls):
+    """``cls`` with every back end's option keys added (``distributed.deepspeed_config``, ``distributed.fsdp``):
+    a back end declares its keys in its own module, and the registry is the one list of them."""
+    for name, (annotation, declared) in backends.options().items():
+        cls.__annotations__[name] = annotation
+        setattr(cls, name, declared)
+    return cls
 
 
-@dataclass(frozen=True, eq=False)
+@section
+@_with_backend_options
 class DistributedConfig(Section):
     SECTION: ClassVar[str] = "distributed"
     backend: str = key("ddp", train=True, choices=backends.NAMES, doc="`ddp`, `deepspeed` or `fsdp`")
@@ -276,12 +231,10 @@ class DistributedConfig(Section):
     find_unused_parameters: bool = key(False, train=False, doc="passed to DDP")
     timeout_s: int = key(600, train=False, check=at_least(10), doc="process-group timeout")
     max_restarts: int = key(0, train=False, check=at_least(0), doc="torchrun restarts of a failed worker group")
-    deepspeed_config: Any | None = key(None, train=True, doc="DeepSpeed JSON path or inline mapping; see "
-                                                             "[DeepSpeed](deepspeed.md)")
-    fsdp: FSDPConfig = key(FSDPConfig, train=True, doc="FSDP2 settings (`backend: fsdp`)")
+    # then each back end's own options (launcher/backends/<name>.py: OPTIONS), in the registry's order
 
 
-@dataclass(frozen=True, eq=False)
+@section
 class CheckpointConfig(Section):
     SECTION: ClassVar[str] = "checkpoint"
     every_n_steps: int | None = key(None, train=False, check=at_least(1),
@@ -296,12 +249,12 @@ class CheckpointConfig(Section):
     on_world_change: str = key("error", train=False, choices=("error", "keep_global_batch", "keep_factor"),
                                doc="resuming on another number of workers: `error`, `keep_global_batch` or "
                                    "`keep_factor`")
-    # how long ranks wait while rank 0 writes, hashes or verifies a checkpoint (launcher/train/coordination.py)
+    # how long ranks wait while rank 0 writes, hashes or verifies a checkpoint (launcher/checkpoint/coordination.py)
     timeout_s: int = key(3600, train=False, check=at_least(10),
                          doc="how long ranks wait while rank 0 writes, hashes or verifies a checkpoint")
 
 
-@dataclass(frozen=True, eq=False)
+@section
 class LoggingConfig(Section):
     SECTION: ClassVar[str] = "logging"
     progress: str = key("auto", train=False, choices=("auto", "bar", "plain", "none"),
@@ -310,17 +263,17 @@ class LoggingConfig(Section):
                            doc="event files in `output_dir/tensorboard` when TensorBoard is installed")
     log_every: int = key(10, train=False, check=at_least(1), doc="plain progress line every N steps")
     # experiment trackers on rank 0 (launcher/config/trackers.py checks the keys; launcher/train/trackers.py logs)
-    wandb: dict | None = key(None, train=False,
+    wandb: dict | None = key(None, train=False, model=WandbOptions,
                              doc="null, or `{project, name, tags, mode: online|offline|disabled, entity, dir}`: log "
                                  "config, metrics and summary to Weights & Biases; see [Trackers](trackers.md)")
-    mlflow: dict | None = key(None, train=False,
+    mlflow: dict | None = key(None, train=False, model=MLflowOptions,
                               doc="null, or `{experiment, run_name, tags, tracking_uri}` (default a file store in "
                                   "`output_dir/mlruns`): log to MLflow; see [Trackers](trackers.md)")
 
 
 # `accum-sched slurm` only (launcher/launch/slurm.py checks the formats); nodes and workers per node come
 # from distributed.nnodes / distributed.nproc_per_node.
-@dataclass(frozen=True, eq=False)
+@section
 class SlurmConfig(Section):
     SECTION: ClassVar[str] = "slurm"
     template: str = key("torchrun", train=False, hint="torchrun, per_task or the path of a .sbatch template",
@@ -339,7 +292,7 @@ class SlurmConfig(Section):
 
 
 # -- the whole config -------------------------------------------------------------------------------------------
-@dataclass(frozen=True, eq=False)
+@pydantic.dataclasses.dataclass(frozen=True, eq=False, config=MODEL_CONFIG)
 class Config:
     """A validated configuration. ``cfg.section.key``; ``cfg.lr_scheduler`` is None when written as null.
 
@@ -359,11 +312,13 @@ class Config:
     slurm: SlurmConfig
 
     def __getattr__(self, name):  # only reached for names that are not sections
+        if name.startswith("__"):
+            raise AttributeError(name)
         raise AttributeError(f"config has no section {name!r}")
 
     def to_dict(self) -> dict:
         return {f.name: (None if v is None else v.to_dict()) for f, v in ((f, getattr(self, f.name))
-                                                                         for f in fields(self))}
+                                                                         for f in dataclasses.fields(self))}
 
     @property
     def schedule(self) -> AccumulationSchedule:

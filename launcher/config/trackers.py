@@ -5,71 +5,43 @@ Torch-free and import-free (`accum-sched check` runs on login nodes): the packag
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
+from typing import Annotated, Any, Literal
+
+from pydantic import StringConstraints
 
 from launcher.errors import ConfigError
+from launcher.options import options
 
-WANDB_KEYS = ("project", "name", "tags", "mode", "entity", "dir")
 WANDB_MODES = ("online", "offline", "disabled")
-MLFLOW_KEYS = ("experiment", "run_name", "tags", "tracking_uri")
 PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}  # config key -> the module rank 0 imports
 
 
-def _known(path: str, value, keys: tuple, example: str) -> None:
-    """A mapping whose keys are all in ``keys`` (an unknown one is named with its full path)."""
-    if not isinstance(value, dict):
-        raise ConfigError(path, f"expected a mapping or null, got {value!r}", f"write e.g. {example}")
-    for k in value:
-        if k not in keys:
-            raise ConfigError(f"{path}.{k}", "unknown key", f"known keys: {', '.join(keys)}")
+NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 
 
-def _text(path: str, value, required: bool = False) -> None:
-    if value is None and not required:
-        return
-    if not isinstance(value, str) or not value:
-        raise ConfigError(path, f"expected a non-empty string, got {value!r}", "quote the value")
+@options
+class WandbOptions:
+    """``logging.wandb``: rank 0 logs to Weights & Biases (``project`` required)."""
+
+    project: NonEmpty
+    name: NonEmpty | None = None
+    tags: list[NonEmpty] = dataclasses.field(default_factory=list)
+    mode: Literal[WANDB_MODES] = "online"  # offline writes the run under logging.wandb.dir for `wandb sync`
+    entity: NonEmpty | None = None
+    dir: NonEmpty | None = None
 
 
-def _check_wandb(spec) -> None:
-    field = "logging.wandb"
-    _known(field, spec, WANDB_KEYS, "{project: my-project, mode: offline}")
-    if "project" not in spec:
-        raise ConfigError(f"{field}.project", "is required", "add project: <your wandb project>")
-    for k in ("project", "name", "entity", "dir"):
-        _text(f"{field}.{k}", spec.get(k), required=k == "project")
-    mode = spec.get("mode", "online")
-    if mode not in WANDB_MODES:
-        raise ConfigError(f"{field}.mode", f"{mode!r} is not one of {', '.join(WANDB_MODES)}",
-                          "offline writes the run under logging.wandb.dir for `wandb sync`")
-    tags = spec.get("tags", [])
-    if not isinstance(tags, list) or not all(isinstance(t, str) and t for t in tags):
-        raise ConfigError(f"{field}.tags", f"expected a list of strings, got {tags!r}", "write e.g. [baseline]")
+@options
+class MLflowOptions:
+    """``logging.mlflow``: rank 0 logs to MLflow (``experiment`` required)."""
 
-
-def _check_mlflow(spec) -> None:
-    field = "logging.mlflow"
-    _known(field, spec, MLFLOW_KEYS, "{experiment: my-experiment}")
-    if "experiment" not in spec:
-        raise ConfigError(f"{field}.experiment", "is required", "add experiment: <an MLflow experiment name>")
-    _text(f"{field}.experiment", spec["experiment"], required=True)
-    _text(f"{field}.run_name", spec.get("run_name"))
-    _text(f"{field}.tracking_uri", spec.get("tracking_uri"))
-    tags = spec.get("tags", {})
-    ok = (isinstance(tags, dict) and all(isinstance(k, str) for k in tags)) or \
-        (isinstance(tags, list) and all(isinstance(t, str) and t for t in tags))
-    if not ok:
-        raise ConfigError(f"{field}.tags", f"expected a mapping of strings or a list of strings, got {tags!r}",
-                          "write e.g. {team: vision} or [baseline]")
-
-
-def check(cfg) -> None:
-    """Validation (launcher/config/schema.py): the keys of each configured tracker."""
-    if cfg.logging.wandb is not None:
-        _check_wandb(cfg.logging.wandb)
-    if cfg.logging.mlflow is not None:
-        _check_mlflow(cfg.logging.mlflow)
+    experiment: NonEmpty
+    run_name: NonEmpty | None = None
+    tags: dict[str, Any] | list[NonEmpty] = dataclasses.field(default_factory=dict)
+    tracking_uri: NonEmpty | None = None
 
 
 def configured(cfg) -> list[str]:

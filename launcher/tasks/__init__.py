@@ -18,6 +18,7 @@ findable and define the function at top level.
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib
 import importlib.util
 import os
@@ -104,11 +105,45 @@ def check_target(target: str) -> None:
 
 
 def check_args(target: str, args: dict) -> None:
-    """Raise ConfigError for bad ``task.args`` of a built-in that can tell before launch (no torch import)."""
+    """Raise ConfigError for bad ``task.args`` that can be told before launch (no torch import): a built-in's own
+    checks, and a key the task function takes no parameter for (read from its source, not imported)."""
     module, _, function = target.partition(":")
     if module == "builtin" and function in ARG_CHECKS:
         check_module, _, check = ARG_CHECKS[function].partition(":")
         getattr(importlib.import_module(check_module), check)(args)
+    accepted = _parameters(target)
+    if accepted is None:
+        return
+    for name in args:
+        if name not in accepted:
+            close = difflib.get_close_matches(str(name), accepted, n=1, cutoff=0.6)
+            known = ", ".join(accepted) or "none"
+            raise ConfigError(f"task.args.{name}", f"{target} takes no argument {name!r}",
+                              f"did you mean {close[0]!r}? (its arguments: {known})" if close
+                              else f"its arguments: {known}")
+
+
+def _parameters(target: str) -> list[str] | None:
+    """The keyword parameters of the task function as its source defines it; None when it takes ``**kwargs`` or
+    its source cannot be read (then the workers' call is the check)."""
+    module, function = resolve(target)
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    origin = spec.origin if spec is not None else None
+    if not origin or not origin.endswith(".py") or not os.path.isfile(origin):
+        return None
+    with open(origin, encoding="utf-8") as f:
+        try:
+            tree = ast.parse(f.read(), origin)
+        except SyntaxError:
+            return None
+    found = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == function]
+    if len(found) != 1 or found[0].args.kwarg is not None:
+        return None
+    params = found[0].args
+    return [a.arg for a in (*params.args, *params.kwonlyargs)]
 
 
 def build(target: str, args: dict) -> Task:
