@@ -29,7 +29,7 @@ STAGE``: ``alone`` (baseline: DeepSpeed's own GAS, step() every micro-batch), ``
 ``engine`` (accum_sched driving the same DeepSpeed configuration).
 
 torch.compile (``run.compile``): ``compiled`` is ``engine`` with the model's forward compiled in place, as
-`accum-sched run` does it (launcher/train/compile.py), before the DDP wrap; ``engine2`` is ``engine`` again. With
+`accum-sched run` does it (launcher/backends/compile.py), before the DDP wrap; ``engine2`` is ``engine`` again. With
 ``--baseline engine`` the ratios read compiled against eager. Each round compiles the fresh model again; that lands
 in the untimed warm-up epoch (every micro-batch of the workload is full, so nothing recompiles later).
 """
@@ -159,7 +159,7 @@ def build_variant(name: str, args, w: Workload, schedule: dict):
     if name in ENGINE_KWARGS or name == "compiled":
         model = build_model(w.model)
         if name == "compiled":
-            from launcher.train.compile import compile_module
+            from launcher.backends.compile import compile_module
 
             compile_module(model, {})
         return Engine(AccumulationEngine(DDP(model, bucket_cap_mb=args.bucket_cap_mb),

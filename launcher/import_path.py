@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import re
+import sys
+
+from launcher.errors import ConfigError
 
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 _PATH = re.compile(rf"^{_DOTTED}(:{_DOTTED}|\.[A-Za-z_][A-Za-z0-9_]*)$")
@@ -17,6 +21,14 @@ _PATH = re.compile(rf"^{_DOTTED}(:{_DOTTED}|\.[A-Za-z_][A-Za-z0-9_]*)$")
 def looks_like_path(text: str) -> bool:
     """``a.b.C`` or ``a.b:C`` (a bare word is a built-in name, not a path)."""
     return bool(_PATH.match(text)) and ("." in text or ":" in text)
+
+
+def ensure_cwd_on_path() -> None:
+    """Put the working directory on sys.path: `accum-sched run` is started from the user's project, and their task,
+    optimizer and scheduler modules live there (as with ``python -m``)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
 
 
 def split(text: str) -> tuple[str, str]:
@@ -30,14 +42,11 @@ def split(text: str) -> tuple[str, str]:
 
 def check(field: str, text: str, what: str) -> None:
     """Before launch: the top-level package of ``text`` must be installed or importable from the current directory."""
-    from launcher.errors import ConfigError
-    from launcher.tasks import _ensure_cwd_on_path
-
     if not looks_like_path(text):
         raise ConfigError(field, f"{text!r} is not an import path",
                           f"write e.g. 'torch.optim.RMSprop' or 'mypkg.mod:{what}'")
     top = split(text)[0].split(".")[0]
-    _ensure_cwd_on_path()
+    ensure_cwd_on_path()
     try:
         spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
@@ -49,11 +58,8 @@ def check(field: str, text: str, what: str) -> None:
 
 def load(field: str, text: str):
     """Import the object ``text`` names (at worker start); ConfigError if the module or the attribute is missing."""
-    from launcher.errors import ConfigError
-    from launcher.tasks import _ensure_cwd_on_path
-
     module_name, attr = split(text)
-    _ensure_cwd_on_path()
+    ensure_cwd_on_path()
     try:
         obj = importlib.import_module(module_name)
     except ImportError as exc:

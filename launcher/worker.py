@@ -29,6 +29,7 @@ from launcher.checkpoint.pickle_scan import UnsafePickle  # noqa: E402
 from launcher.config import load_config  # noqa: E402
 from launcher.errors import ConfigError  # noqa: E402
 from launcher.launch import failures  # noqa: E402
+from launcher.launch.env import as_torch_env  # noqa: E402
 from launcher.train import warning_lines  # noqa: E402
 from launcher.train.preempt import Preemption  # noqa: E402
 from launcher.train.trainer import Trainer, detect_launch, init_distributed  # noqa: E402
@@ -80,8 +81,6 @@ def join(cfg):
     launch = detect_launch()
     if launch.source != "single":
         # srun's tasks (the per_task template) carry only SLURM_* variables; DeepSpeed and torch read these.
-        from launcher.launch.env import as_torch_env
-
         os.environ.update(as_torch_env(launch))
     if launch.rank != 0:  # other ranks stay quiet unless something fails
         warnings.filterwarnings("ignore")

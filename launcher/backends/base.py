@@ -8,8 +8,8 @@ depends on the back end calls one method here instead of comparing ``cfg.distrib
   :meth:`check_world_change`;
 * the worker (torch imported): :meth:`setup` builds what the AccumulationEngine drives, :meth:`final_state_dict`
   gathers model.pt;
-* the Checkpointer (torch imported, collective): :attr:`sharded_checkpoint`, :meth:`save_shards`,
-  :meth:`load_shards`, :meth:`manifest_entries`.
+* the Checkpointer (torch imported, collective): :attr:`sharded_checkpoint`, :attr:`unpickled_files`,
+  :meth:`save_shards`, :meth:`load_shards` (the manifest records :attr:`name` and :attr:`sharded_checkpoint`).
 
 Why these and no more: each one replaces a branch the launcher had (config rules, the DeepSpeed JSON's schedule,
 wrapping, the shard files of a checkpoint, the final gather). Everything else (the loop, metrics, evaluation,
@@ -54,6 +54,10 @@ class LauncherBackend(ABC):
     # True when the back end writes model and optimizer as files of its own inside a checkpoint directory
     # (save_shards / load_shards); trainer.pt then holds neither. False: trainer.pt holds both.
     sharded_checkpoint: ClassVar[bool] = False
+    # The folder of a checkpoint whose files load_shards hands to a full unpickle (torch.load weights_only=False),
+    # or None. The Checkpointer checks every pickle in it first (launcher/checkpoint/pickle_scan.py), on every rank,
+    # so a planted import stops every rank alike with one line naming the file, before anything is unpickled.
+    unpickled_files: ClassVar[str | None] = None
     # this back end's keys in the distributed section, ``{name: (annotation, launcher.options.key(...))}``
     # (``fsdp``, ``deepspeed_config``): declared in its module, composed into the config by the registry
     options: ClassVar[dict] = {}
@@ -101,7 +105,3 @@ class LauncherBackend(ABC):
     def load_shards(self, setup: Setup, directory: str) -> None:
         """Read what :meth:`save_shards` wrote into the live model and optimizer; raise CheckpointError naming
         the checkpoint (only when :attr:`sharded_checkpoint`). Called by the Checkpointer on every rank."""
-
-    def manifest_entries(self) -> dict:
-        """Entries this back end adds to a checkpoint's manifest.json (DeepSpeed: ``"deepspeed": true``)."""
-        return {"deepspeed": False}

@@ -17,6 +17,7 @@ class DDPBackend(SingleProcessBackend):
     def setup(self, cfg, model, make_optimizer: OptimizerFactory, device, world: int) -> Setup:
         setup = super().setup(cfg, model, make_optimizer, device, world)
         if world > 1:
+            # torch on the worker only: config validation imports this module on login nodes
             from torch.nn.parallel import DistributedDataParallel
 
             from accum_sched.backends.ddp import DDPBackend as LibraryDDP  # torch: workers only

@@ -17,15 +17,20 @@ No torch or deepspeed import at module level: `accum-sched check` validates on l
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import copy
+import io
 import json
+import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from accum_sched.schedule import AccumulationSchedule
 from launcher.backends.base import LauncherBackend, OptimizerFactory, Setup
-from launcher.errors import ConfigError
+from launcher.errors import CheckpointError, ConfigError
 from launcher.options import key as declare_key
 
 FIELD = "distributed.deepspeed_config"
@@ -324,9 +329,9 @@ def deepspeed_config(cfg, world_size: int, client_optimizer: bool) -> dict:
 
 def _prepare_environment(world_size: int) -> None:
     """What DeepSpeed needs before its import / init: the accelerator, a stable JIT cache, a process group."""
-    import torch
+    import torch  # the worker's: config validation imports this module on login nodes without torch
 
-    from accum_sched.backends.deepspeed import ensure_torch_extensions_dir
+    from accum_sched.backends.deepspeed import ensure_torch_extensions_dir  # imports torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skip DeepSpeed's accelerator probing and its warning
@@ -342,9 +347,7 @@ def _prepare_environment(world_size: int) -> None:
 def _device_args() -> dict:
     """DeepSpeed takes cuda:LOCAL_RANK unless told otherwise; under srun's per-task GPU binding the worker's device
     (launcher/launch/env.py: cuda_index, already set by the worker) is cuda:0 on every rank."""
-    import argparse
-
-    import torch
+    import torch  # the worker's: config validation imports this module on login nodes without torch
 
     if not torch.cuda.is_available():
         return {}
@@ -356,16 +359,11 @@ def initialize(cfg, model, optimizer, lr_scheduler, world_size: int):
 
     The YAML's optimizer and LR scheduler are handed to DeepSpeed unless its JSON has its own sections.
     """
-    import contextlib
-    import io
-    import logging
-    import warnings
-
     validate(cfg, world_size)
     _prepare_environment(world_size)
-    import deepspeed
-    import torch.distributed as dist
-    from deepspeed.utils import logger as ds_logger
+    import deepspeed  # optional, and only the worker needs it (it imports torch)
+    import torch.distributed as dist  # the worker's: config validation imports this module without torch
+    from deepspeed.utils import logger as ds_logger  # optional, worker only
 
     # DeepSpeed logs its whole config at INFO, and warns that torch SGD is an "untested" ZeRO optimizer (it is exact:
     # tests/accum_sched/test_deepspeed.py); our progress line is the UI. Its later warnings still show.
@@ -389,7 +387,7 @@ def initialize(cfg, model, optimizer, lr_scheduler, world_size: int):
 
 def consolidated_state_dict(ds_engine) -> dict | None:
     """The final model as a plain fp32 state_dict on rank 0 (None elsewhere), at every ZeRO stage. Collective."""
-    from accum_sched.backends.deepspeed import consolidated_state_dict as gather
+    from accum_sched.backends.deepspeed import consolidated_state_dict as gather  # imports torch: worker only
 
     return gather(ds_engine, rank0_only=True)
 
@@ -401,6 +399,8 @@ class DeepSpeedBackend(LauncherBackend):
 
     name = "deepspeed"
     sharded_checkpoint = True
+    # DeepSpeed reads its files with torch.load(weights_only=False): the Checkpointer checks their pickles first
+    unpickled_files = TAG
     options = OPTIONS
 
     def validate(self, cfg) -> None:
@@ -441,20 +441,11 @@ class DeepSpeedBackend(LauncherBackend):
         setup.module.save_checkpoint(directory, tag=TAG, save_latest=False)
 
     def load_shards(self, setup: Setup, directory: str) -> None:
-        from launcher.checkpoint import pickle_scan
-        from launcher.errors import CheckpointError
-
-        # DeepSpeed reads its files with torch.load(weights_only=False): their pickles are checked first, unpickled
-        # by nobody (every rank the same files, so every rank stops alike: UnsafePickle, one line naming the file)
-        pickle_scan.check_tree(os.path.join(directory, TAG))
         # the engine restores module, (ZeRO-sharded) optimizer and LR scheduler from its files, under its own rules
         loaded, _ = setup.module.load_checkpoint(directory, tag=TAG, load_optimizer_states=True,
                                                  load_lr_scheduler_states=True)
         if loaded is None:
             raise CheckpointError(f"{os.path.join(directory, TAG)}: DeepSpeed could not load it")
-
-    def manifest_entries(self) -> dict:
-        return {"deepspeed": True}
 
 
 def _check_measuring(cfg, field: str, adaptive: bool) -> None:

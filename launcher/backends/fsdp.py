@@ -18,7 +18,7 @@
   ``reduce_scatter`` on a 1-D mesh has no all-reduce to defer and runs as ``every_micro_batch``.
 
 ``run.compile`` compiles per block, as torchtitan does: the forward of every module that is sharded before the
-root is compiled in place (launcher/train/compile.py) before fully_shard; the root's own layers around them
+root is compiled in place (launcher/backends/compile.py) before fully_shard; the root's own layers around them
 (embeddings, head) stay eager. A model with no such block is compiled whole. FSDP2's hooks stay outside the
 compiled forward, so the all-gather and reduce-scatter run as they do eagerly (both orders, compile before and
 after fully_shard, measured equal to eager on CPU/gloo).
@@ -35,7 +35,9 @@ from __future__ import annotations
 import os
 
 from launcher.backends.base import LauncherBackend, OptimizerFactory, Setup
-from launcher.errors import ConfigError
+from launcher.backends.compile import compile_modules
+from launcher.backends.compile import options as compile_options
+from launcher.errors import CheckpointError, ConfigError
 from launcher.options import Section, key, section
 
 DIRNAME = "fsdp"  # the DCP files inside a checkpoint directory
@@ -110,9 +112,7 @@ def blocks(model, names: list[str]) -> list:
 def compile_blocks(cfg, model) -> None:
     """``run.compile``: compile each block :func:`shard` will shard (the whole model when there is none); of
     nested blocks only the outer one, whose compiled forward takes in the inner ones."""
-    from launcher.train.compile import compile_modules, options
-
-    opts = options(cfg.run.compile)
+    opts = compile_options(cfg.run.compile)
     if opts is None:
         return
     sharded = blocks(model, wrap_classes(cfg.distributed.fsdp, model))
@@ -121,6 +121,7 @@ def compile_blocks(cfg, model) -> None:
 
 
 def _dtype(name):
+    # torch on the worker only: config validation imports this module on login nodes
     import torch
 
     return None if name is None else getattr(torch, _DTYPES[name])
@@ -128,6 +129,7 @@ def _dtype(name):
 
 def ensure_process_group() -> None:
     """FSDP2 needs a process group even for one worker started without torchrun (torchrun always gives one)."""
+    # torch on the worker only: config validation imports this module on login nodes
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -139,6 +141,7 @@ def shard(cfg, model, device):
 
     Call before building the optimizer: fully_shard replaces the parameters by sharded DTensors.
     """
+    # torch on the worker only: config validation imports this module on login nodes
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -172,6 +175,7 @@ UNSTEPPED = "optimizer-unstepped"  # marker file: the optimizer had not stepped 
 
 def save(model, optimizer, path: str) -> None:
     """Every rank writes its shards of model and optimizer under ``path`` (DCP). Collective."""
+    # torch on the worker only: config validation imports this module on login nodes
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -200,6 +204,7 @@ def save(model, optimizer, path: str) -> None:
 
 def load(model, optimizer, path: str) -> None:
     """Read ``path`` (written by :func:`save`, possibly by another number of ranks) into model and optimizer."""
+    # torch on the worker only: config validation imports this module on login nodes
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -215,6 +220,7 @@ def load(model, optimizer, path: str) -> None:
 
 def consolidated_state_dict(model) -> dict | None:
     """The full model as a plain fp32 state_dict on rank 0 (None elsewhere). Collective."""
+    # torch on the worker only: config validation imports this module on login nodes
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -271,8 +277,6 @@ class FSDPBackend(LauncherBackend):
         save(setup.model, setup.optimizer, os.path.join(directory, DIRNAME))
 
     def load_shards(self, setup: Setup, directory: str) -> None:
-        from launcher.errors import CheckpointError
-
         try:  # DCP reads the shards, resharded for this world size
             load(setup.model, setup.optimizer, os.path.join(directory, DIRNAME))
         except Exception as exc:  # name the checkpoint on every rank

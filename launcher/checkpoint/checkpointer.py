@@ -33,7 +33,8 @@ import time
 import torch
 
 from accum_sched import engine_state as engine_format
-from launcher.checkpoint import store
+from accum_sched.step_info import StepInfo
+from launcher.checkpoint import coordination, store
 from launcher.checkpoint.collective import CheckpointError, Ranks, must_see
 from launcher.checkpoint.data_position import EpochLoader, deal, global_order, redealt_loader, resume_position
 from launcher.checkpoint.manifest import Manifest
@@ -50,7 +51,6 @@ from launcher.checkpoint.pickle_scan import UnsafePickle, check_state_file, refu
 from launcher.checkpoint.resume import ResumePlan, plan_resume
 from launcher.checkpoint.rng import RankRng, rng_state, seed_rank, set_rng_state
 from launcher.errors import ConfigError
-from launcher.train import coordination
 
 # names tests and benchmarks import from here
 __all__ = ["CheckpointError", "Checkpointer", "deal", "global_order", "own_optimizer_state", "rng_state",
@@ -69,7 +69,7 @@ class Checkpointer:
 
     def __init__(self, cfg, rank: int, world: int, resume: str | None = None, device=None, group=None):
         self.cfg, self.rank, self.world = cfg, rank, world
-        # every collective runs on the gloo coordination group (launcher/train/coordination.py), not the default one
+        # every collective runs on the gloo coordination group (checkpoint/coordination.py), not the default one
         self.group = group if group is not None else coordination.group()
         self.ranks = Ranks(rank, world, self.group)
         # the collectives under their old names (tests/accum_sched/test_gpu_readiness.py drives them on a real group)
@@ -97,10 +97,6 @@ class Checkpointer:
         self._epoch_batches: int | None = None
         self._order: tuple[int, list[int]] | None = None  # (epoch, global sample order) re-dealt after a world change
         self._order_loader = None
-
-    def schedule(self, config_schedule):
-        """The schedule to train with: the config's, rescaled when a world-size change keeps the global batch."""
-        return self.plan.schedule(config_schedule)
 
     @property
     def engine(self):
@@ -221,8 +217,6 @@ class Checkpointer:
     def _load_engine(self, state: dict, engine_state: dict) -> None:
         self.engine.load_state_dict(engine_state)
         if state.get("last_step"):
-            from accum_sched.engine import StepInfo
-
             self.engine.last_step = StepInfo.from_dict(state["last_step"])  # flat metrics line -> StepInfo
         load_data_parts(self.parts, state)
 
@@ -315,13 +309,10 @@ class Checkpointer:
     def epoch_end(self) -> None:
         self.save("epoch")
 
-    def save_now(self, reason: str = "request") -> str:
-        """Save at the current optimizer boundary (e.g. preemption, once ``engine.should_stop`` is True) and return
-        the checkpoint's path. Collective. If this step is saved already (on_step saves at the stop step by itself)
-        it only returns that checkpoint's path."""
-        return self.save(reason)
-
     def save(self, reason: str) -> str:
+        """Save where the engine stands (a step boundary, or inside a window at a stop) and return the checkpoint's
+        path; ``reason`` is the manifest's (epoch, step, stop, preempt, request). Collective. If this position is
+        saved already (on_step saves at the stop step by itself) it only returns that checkpoint's path."""
         engine = self.engine
         step = engine.optimizer_steps
         final = store.step_dir(self.root, step, engine.micro_in_epoch if engine.window_open else None)
@@ -393,7 +384,8 @@ class Checkpointer:
             batches_per_epoch=batches,
             world_size=self.world, factor_scale=self.plan.scale, micro_batch_size=self.cfg.data.micro_batch_size,
             config_hash=self.hash, config=store.training_config(self.cfg), reason=reason,
-            **self.parts["backend"].manifest_entries(), skipped_steps=self.engine.skipped_steps,
+            backend=self.parts["backend"].name, sharded=self.parts["backend"].sharded_checkpoint,
+            skipped_steps=self.engine.skipped_steps,
             created=time.time(), partial_window=partial_window, stream=stream)
 
     def _make_tmp(self, tmp: str) -> None:

@@ -1,7 +1,7 @@
 """How the ranks agree around a checkpoint: rank 0 decides and every rank gets the answer or the same error; a
 phase fails on every rank when it fails on one (no rank left waiting in a barrier until the timeout).
 
-Every collective runs on the gloo coordination group (launcher/train/coordination.py), not the default one.
+Every collective runs on the gloo coordination group (launcher/checkpoint/coordination.py), not the default one.
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import sys
 
 import torch.distributed as dist
 
+from launcher.checkpoint import coordination
 from launcher.errors import CheckpointError, ConfigError
-from launcher.train import coordination
 
 
 class Ranks:
@@ -80,7 +80,7 @@ def must_see(path: str, name: str | None = None) -> None:
     """Raise unless this rank sees ``path`` (a directory rank 0 chose or made), and ``name`` in it.
 
     Rank 0 alone picks the checkpoint to resume and makes the directory a save writes into; every rank then reads
-    (resume) or writes (DeepSpeed shards) there, which needs one file system shared by every node."""
+    (resume) or writes (DeepSpeed's and FSDP2's shards) there, which needs one file system shared by every node."""
     target = path if name is None else os.path.join(path, name)
     if not (os.path.isdir(path) and (name is None or os.path.exists(target))):
         raise CheckpointError(f"{target} (chosen by rank 0) is not visible on host {socket.gethostname()}: "

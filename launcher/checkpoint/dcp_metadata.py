@@ -11,8 +11,11 @@ zip files we write ourselves are loaded with ``weights_only=True`` instead (laun
 """
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
+
+import torch
 
 from launcher.checkpoint.pickle_scan import UnsafePickle
 
@@ -34,10 +37,6 @@ class UnsafeMetadata(UnsafePickle):
 
 def _allowed(module: str, name: str):
     """The object ``module.name`` if DCP metadata may hold it, else None."""
-    import importlib
-
-    import torch
-
     if module == _METADATA_MODULE:
         obj = getattr(importlib.import_module(module), name, None)
         return obj if isinstance(obj, type) and obj.__module__ == module else None

@@ -1,15 +1,9 @@
-"""A checkpoint's ``manifest.json`` as a typed value: what the checkpoint is (position, world, config identity) and
-the size and sha256 of every file in it. Torch-free (read before launch).
+"""A checkpoint's ``manifest.json`` as a typed value: what the checkpoint is (position, world, config identity, the
+back end that wrote it) and the size and sha256 of every file in it. Torch-free (read before launch).
 
-On disk the JSON keys are the field names below, exactly as releases before this module wrote them, plus
-``version`` (added with it). :func:`migrate` reads every manifest this project has written:
-
-- version 1 (the first checkpoints): no ``partial_window``, no ``version``;
-- version 2 (stops inside an accumulation window): ``partial_window`` added, still no ``version``;
-- version 3: ``version`` written;
-- version 4 (streams): ``stream`` added (False before).
-
-A field a manifest lacks (an older one, or one written by hand in a test) gets the default below.
+On disk the JSON keys are the field names below. A manifest of another ``version`` is not read: one without the
+current version was written by an earlier development version of accum-sched (0.1.0 was never released, so there
+is nothing to migrate), one with a higher version by a newer release. Either is a one-line refusal naming the file.
 """
 from __future__ import annotations
 
@@ -17,12 +11,12 @@ import dataclasses
 from dataclasses import dataclass, field
 
 FORMAT = 1  # the on-disk layout (step-N directories, trainer.pt, this manifest); a new one is not readable by old code
-VERSION = 4  # the manifest's fields; older versions are read through migrate()
+VERSION = 5  # the manifest's fields: backend and sharded (5), stream (4), version (3), partial_window (2)
 MANIFEST = "manifest.json"
 
 
 class ManifestError(ValueError):
-    """A manifest this code cannot read (written by a newer release, or a field of the wrong kind)."""
+    """A manifest this code cannot read (another version, or a field of the wrong kind)."""
 
 
 @dataclass(frozen=True)
@@ -39,7 +33,8 @@ class Manifest:
     config_hash: str = ""
     config: dict = field(default_factory=dict)  # store.training_config() of the run that saved it
     reason: str = ""  # epoch | step | stop | preempt | request
-    deepspeed: bool = False  # DeepSpeed's own files are in deepspeed/
+    backend: str = ""  # the launcher back end that wrote it (distributed.backend; "" in hand-made ones)
+    sharded: bool = False  # the back end wrote model and optimizer as per-rank files of its own, not in trainer.pt
     skipped_steps: int = 0
     created: float = 0.0  # time.time() at the save
     partial_window: bool = False  # taken inside a window: window-rank<R>.pt hold each rank's open window
@@ -56,8 +51,7 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, raw: dict) -> Manifest:
-        """The inverse of :meth:`to_dict`: a current-version manifest with every field (else ManifestError; older
-        or partial ones go through :func:`migrate`)."""
+        """The inverse of :meth:`to_dict`: a current-version manifest with every field (else ManifestError)."""
         names = {f.name for f in dataclasses.fields(cls)}
         missing = sorted(names - set(raw))
         if missing:
@@ -66,13 +60,6 @@ class Manifest:
 
     def with_files(self, files: dict) -> Manifest:
         return dataclasses.replace(self, files=files)
-
-    # The manifest was a dict before; a caller outside the launcher that indexed it by key still can.
-    def __getitem__(self, key: str):
-        return self.to_dict()[key]
-
-    def get(self, key: str, default=None):
-        return self.to_dict().get(key, default)
 
 
 def _typed(m: Manifest) -> Manifest:
@@ -83,37 +70,33 @@ def _typed(m: Manifest) -> Manifest:
             m, step=int(m.step), epoch=int(m.epoch), micro_batch=int(m.micro_batch),
             batches_per_epoch=int(m.batches_per_epoch), world_size=int(m.world_size), factor_scale=(num, den),
             micro_batch_size=int(m.micro_batch_size), config_hash=str(m.config_hash), config=dict(m.config or {}),
-            reason=str(m.reason), deepspeed=bool(m.deepspeed), skipped_steps=int(m.skipped_steps),
+            reason=str(m.reason), backend=str(m.backend), sharded=bool(m.sharded), skipped_steps=int(m.skipped_steps),
             created=float(m.created), partial_window=bool(m.partial_window), stream=bool(m.stream),
             files=dict(m.files or {}), format=int(m.format), version=int(m.version))
     except (TypeError, ValueError) as exc:
         raise ManifestError(f"a field has a value of the wrong kind ({exc})") from exc
 
 
-def raw_version(raw: dict) -> int:
-    """The version a manifest was written as: its ``version`` key, else told by the fields it has."""
-    if "version" in raw:
-        return int(raw["version"])
-    return 2 if "partial_window" in raw else 1
-
-
-def migrate(raw: dict) -> Manifest:
-    """A manifest of any version this project wrote, as the current one. Keys it does not know are dropped."""
+def read(raw) -> Manifest:
+    """``manifest.json``'s JSON object as a Manifest: the current version only (see the module's docstring); a field it
+    lacks (a hand-made one) gets the default above, a key it does not know is dropped. ManifestError otherwise."""
     if not isinstance(raw, dict):
         raise ManifestError(f"not a JSON object but {type(raw).__name__}")
-    version = raw_version(raw)
-    if version > VERSION:
-        raise ManifestError(f"manifest version {version} is newer than this accum-sched reads ({VERSION}); "
-                            f"resume it with the release that wrote it")
-    known = {f.name for f in dataclasses.fields(Manifest)}
-    values = {k: v for k, v in raw.items() if k in known}
-    if version < 2:
-        # stops inside a window came with version 2: every earlier one is at a boundary
-        values["partial_window"] = False
-    values["version"] = VERSION
-    return _typed(Manifest(**values))
+    version = raw.get("version")
+    if version != VERSION:
+        if isinstance(version, int) and version > VERSION:
+            raise ManifestError(f"manifest version {version} is newer than this accum-sched reads ({VERSION}); "
+                                f"resume it with the release that wrote it")
+        raise ManifestError(f"written by an earlier development version of accum-sched (manifest version "
+                            f"{version if version is not None else '1 or 2'}, this one reads {VERSION}); start "
+                            f"afresh without --resume, or resume it with the version that wrote it")
+    return as_manifest(raw)
 
 
 def as_manifest(value) -> Manifest:
-    """``value`` if it is a Manifest, else the dict migrated (callers that still hand in the JSON object)."""
-    return value if isinstance(value, Manifest) else migrate(value)
+    """``value`` if it is a Manifest, else a mapping of current-version fields as one (absent fields at their
+    defaults): what tests and :func:`read` hand in."""
+    if isinstance(value, Manifest):
+        return value
+    known = {f.name for f in dataclasses.fields(Manifest)}
+    return _typed(Manifest(**{k: v for k, v in value.items() if k in known}))

@@ -26,18 +26,14 @@ Checkpointer's back-end spots decide).
 """
 from __future__ import annotations
 
-from typing import Protocol
+import os
 
 import torch
 
+from launcher.checkpoint import dcp_metadata, pickle_scan
+
 PARTS = ("engine", "model", "optimizer", "scaler", "lr_scheduler", "validation", "sampler", "stream", "backend",
          "setup")
-
-
-class Stateful(Protocol):
-    def state_dict(self): ...
-
-    def load_state_dict(self, state) -> None: ...
 
 
 class SamplerEpoch:
@@ -82,10 +78,11 @@ def save_shards(parts: dict, tmp: str) -> None:
 def load_shards(parts: dict, path: str) -> None:
     """Collective: every rank loads its shards of checkpoint ``path`` (no-op when trainer.pt holds the model)."""
     if not _model_in_trainer_pt(parts):
-        from launcher.checkpoint import dcp_metadata
-
         dcp_metadata.check_tree(path)  # DCP unpickles its .metadata without weights_only: checked first
-        parts["backend"].load_shards(parts["setup"], path)
+        backend = parts["backend"]
+        if backend.unpickled_files is not None:  # DeepSpeed's files, which it loads with weights_only=False
+            pickle_scan.check_tree(os.path.join(path, backend.unpickled_files))
+        backend.load_shards(parts["setup"], path)
 
 
 def save_parts(parts: dict) -> dict:

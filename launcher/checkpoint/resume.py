@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from accum_sched.schedule import AccumulationSchedule
 from launcher import backends
 from launcher.checkpoint import store
 from launcher.checkpoint.manifest import Manifest, as_manifest
@@ -38,8 +39,6 @@ class ResumePlan:
         """The schedule to train with: the config's, rescaled when a world-size change keeps the global batch."""
         if self.scale == (1, 1):
             return config_schedule
-        from accum_sched import AccumulationSchedule
-
         return AccumulationSchedule(scaled_milestones(config_schedule.milestones, self.scale), config_schedule.unit)
 
     def warnings(self) -> list[str]:
@@ -83,7 +82,7 @@ def plan_resume(cfg, world: int, resume: str | None, *, restarts: int = 0, root:
 def config_differences(manifest: Manifest, cfg) -> list[tuple[str, object, object]]:
     """``[(field, value in the checkpoint, value now)]`` for training fields that differ (store.config_differences:
     a key the checkpoint does not record counts as its default)."""
-    return store.config_differences(as_manifest(manifest), cfg)
+    return store.config_differences(manifest, cfg)
 
 
 def check_config(path: str, manifest: Manifest, cfg) -> list[tuple[str, object, object]]:
@@ -109,9 +108,7 @@ def factor_scale(manifest: Manifest, cfg, world: int, path: str = "") -> tuple[i
     (A config with accumulation.global_batch derives its factor from the world already; the scale only corrects for
     that.)
     """
-    if not path and isinstance(manifest, dict):  # the dict form carried its path as "name"
-        path = manifest.get("name", "")
-    manifest = as_manifest(manifest)
+    manifest = as_manifest(manifest)  # or a mapping of its fields (tests)
     num, den = manifest.factor_scale
     old = manifest.world_size
     if world == old:
@@ -130,7 +127,10 @@ def factor_scale(manifest: Manifest, cfg, world: int, path: str = "") -> tuple[i
         raise ConfigError("checkpoint.on_world_change", f"is 'error' and {what}",
                           f"resume with {old} workers, or set checkpoint.on_world_change: keep_global_batch "
                           f"(the factor is rescaled so micro x factor x world stays) or keep_factor")
-    backends.get(cfg.distributed.backend).check_world_change(what, old)  # DeepSpeed: per-rank shards, refused
+    # the back end that wrote the checkpoint's files decides (DeepSpeed: per-rank shards, refused); a hand-made
+    # manifest names none
+    writer = manifest.backend if manifest.backend in backends.NAMES else cfg.distributed.backend
+    backends.get(writer).check_world_change(what, old)
     per_world = cfg.accumulation.global_batch is not None  # the config's factor already scales as 1 / world
     if policy == "keep_global_batch" and not per_world:
         num, den = num * old, den * world

@@ -6,17 +6,18 @@ import random
 
 import torch
 
+try:  # its RNG is saved and seeded where it is installed (torch does not need it)
+    import numpy as np
+except ImportError:
+    np = None
+
 
 def rng_state(device: torch.device) -> dict:
     """This process's RNG states as tensors and plain values (safe for weights_only loading)."""
     version, internal, gauss = random.getstate()
     state = {"torch": torch.get_rng_state(),
              "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss}}
-    try:
-        import numpy as np
-    except ImportError:
-        pass
-    else:
+    if np is not None:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
         state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                           "has_gauss": int(has_gauss), "cached": float(cached)}
@@ -29,9 +30,7 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     py = state["python"]
     random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
-    if "numpy" in state:
-        import numpy as np
-
+    if "numpy" in state and np is not None:
         n = state["numpy"]
         np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
     if "cuda" in state and device.type == "cuda":
@@ -45,12 +44,8 @@ def seed_rank(seed: int, rank: int, step: int, device: torch.device) -> None:
     torch.manual_seed(value)
     if device.type == "cuda":
         torch.cuda.manual_seed(value)
-    try:
-        import numpy as np
-
+    if np is not None:
         np.random.seed(value % 2**32)
-    except ImportError:
-        pass
 
 
 class RankRng:

@@ -5,14 +5,14 @@ config or world size is a one-line error with exit 2, and no torch import); the 
 (launcher/checkpoint/checkpointer.py) uses it to write and find checkpoints. The manifest's fields are
 launcher/checkpoint/manifest.py.
 
-A checkpoint is a directory ``<checkpoint.dir>/step-<8-digit optimizer step>/`` holding ``trainer.pt`` and, for
-DeepSpeed, the engine's own ``deepspeed/`` files, plus ``manifest.json`` (position, world, config hash and the
-size and sha256 of every file). One taken inside a window (a preemption) is ``step-NNNNNNNN-mbNNNNNN`` (the
-micro-batch of the epoch it stopped after) and also holds ``window-rank<R>.pt``, each rank's open window. Files we
-write are hashed as they are written (:class:`HashingFile`); only files written by others (DeepSpeed's) are read
-back to hash them. It is built under ``step-N.tmp`` and renamed into place only when complete, so a
-directory named ``step-N`` is either complete or damaged later (truncated, corrupted); a crash mid-write leaves
-``.tmp``, which discovery ignores.
+A checkpoint is a directory ``<checkpoint.dir>/step-<8-digit optimizer step>/`` holding ``trainer.pt``, the sharded
+files of a back end that keeps its own (DeepSpeed's ``deepspeed/``, FSDP2's DCP shards under ``fsdp/``), and
+``manifest.json`` (position, world, config hash, back end and the size and sha256 of every file). One taken inside a
+window (a preemption) is ``step-NNNNNNNN-mbNNNNNN`` (the micro-batch of the epoch it stopped after) and also holds
+``window-rank<R>.pt``, each rank's open window. Files we write are hashed as they are written
+(:class:`HashingFile`); only files written by others (DeepSpeed's, DCP's) are read back to hash them. It is built
+under ``step-N.tmp`` and renamed into place only when complete, so a directory named ``step-N`` is either complete
+or damaged later (truncated, corrupted); a crash mid-write leaves ``.tmp``, which discovery ignores.
 """
 from __future__ import annotations
 
@@ -25,8 +25,11 @@ import shutil
 import time
 from dataclasses import dataclass
 
+from accum_sched.schedule import AccumulationSchedule
+from launcher.checkpoint import manifest as manifests
 from launcher.checkpoint import pickle_scan
-from launcher.checkpoint.manifest import FORMAT, MANIFEST, Manifest, ManifestError, migrate
+from launcher.checkpoint.manifest import FORMAT, MANIFEST, Manifest, ManifestError
+from launcher.config.schema import REQUIRED, key_paths
 from launcher.errors import ConfigError
 
 STATE = "trainer.pt"
@@ -131,7 +134,8 @@ class HashingFile:
 def commit(tmp: str, final: str, manifest: Manifest | dict, hashed: dict | None = None) -> None:
     """Write ``tmp``'s manifest and rename it to ``final`` (atomic, never in place). ``hashed`` maps files of tmp
     (relative paths) to entries their writers made while writing (:class:`HashingFile`); every other file is read
-    once to hash it (DeepSpeed's own). A dict ``manifest`` is written as given (tests write partial ones)."""
+    once to hash it (DeepSpeed's own). A dict ``manifest`` (tests write partial ones) is written as given, as the
+    current version."""
     files = {}
     hashed = hashed or {}
     for base, _, names in os.walk(tmp):
@@ -142,7 +146,8 @@ def commit(tmp: str, final: str, manifest: Manifest | dict, hashed: dict | None 
                 files[rel] = dict(hashed[rel])
             else:
                 files[rel] = {"bytes": os.path.getsize(path), "sha256": file_digest(path)}
-    content = manifest.with_files(files).to_dict() if isinstance(manifest, Manifest) else dict(manifest, files=files)
+    content = manifest.with_files(files).to_dict() if isinstance(manifest, Manifest) else \
+        {"version": manifests.VERSION, **manifest, "files": files}
     path = os.path.join(tmp, MANIFEST)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(content, f, indent=1, sort_keys=True)
@@ -200,7 +205,7 @@ def rotate(root: str, keep: int) -> list[str]:
 def verify(path: str, raise_unsafe: bool = False) -> tuple[Manifest | None, str | None]:
     """``(manifest, None)`` if every file of checkpoint ``path`` is present with its recorded size and sha256, and
     our own state files would import nothing unexpected when loaded (pickle_scan.check_state_file), else ``(None,
-    problem)``, the problem naming the file at fault. A manifest of an older version is migrated.
+    problem)``, the problem naming the file at fault (a manifest of another version among them).
     ``raise_unsafe``: raise the state file's UnsafePickle (one line, exit 2 in every command) instead."""
     mpath = os.path.join(path, MANIFEST)
     try:
@@ -213,7 +218,7 @@ def verify(path: str, raise_unsafe: bool = False) -> tuple[Manifest | None, str 
     if not isinstance(raw, dict) or raw.get("format") != FORMAT or "files" not in raw:
         return None, f"{mpath}: not a format-{FORMAT} accum-sched manifest"
     try:
-        manifest = migrate(raw)
+        manifest = manifests.read(raw)
     except ManifestError as exc:
         return None, f"{mpath}: {exc}"
     for rel, meta in sorted(manifest.files.items()):
@@ -302,8 +307,6 @@ _NULL_SECTION = object()
 
 def _training_values(cfg) -> dict:
     """``{path: value}`` of every training key of ``cfg``, JSON-normalised; a null section's keys are _NULL_SECTION."""
-    from launcher.config.schema import key_paths
-
     d = cfg.to_dict()
     values = {}
     for path, field in key_paths().items():
@@ -318,8 +321,6 @@ def _training_values(cfg) -> dict:
             node = node[part]
         # the schedule as written (with global_batch the factor depends on the world: not hashed)
         if path == "accumulation.schedule" and node is not None:
-            from accum_sched.schedule import AccumulationSchedule
-
             node = [list(m) for m in AccumulationSchedule(node, cfg.accumulation.unit).milestones]
         values[path] = _json(node)
     return values
@@ -332,8 +333,6 @@ def _json(value):
 @functools.lru_cache(maxsize=1)
 def _training_defaults() -> dict:
     """``{path: default}`` of every training key, JSON-normalised; a required key's is _MISSING (always hashed)."""
-    from launcher.config.schema import REQUIRED, key_paths
-
     return {path: _MISSING if f.default is REQUIRED else _json(f.default) for path, f in key_paths().items() if f.train}
 
 
@@ -361,11 +360,12 @@ def _recorded(config: dict | None) -> dict:
     return flat
 
 
-def config_differences(manifest: dict, cfg) -> list[tuple[str, object, object]]:
+def config_differences(manifest: Manifest | dict, cfg) -> list[tuple[str, object, object]]:
     """``[(field, value in the checkpoint, value now)]`` for training fields that differ; empty if none.
 
     A key the checkpoint does not record (at its default then, or added to the schema since) counts as its
     default; a section null on one side only is one difference, named by the section."""
+    manifest = manifest.to_dict() if isinstance(manifest, Manifest) else manifest  # or its JSON object
     if manifest.get("config_hash") == config_hash(cfg):
         return []
     old, new = _recorded(manifest.get("config")), _recorded(training_config(cfg))

@@ -8,6 +8,7 @@ import sys
 
 from launcher.checkpoint.pickle_scan import UnsafePickle
 from launcher.errors import ConfigError
+from launcher.launch import rundir
 
 # subcommand -> module implementing it; keep the modules' top-level imports free of torch.
 COMMANDS = {
@@ -52,8 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        from launcher.launch import rundir
-
         rundir.release_all()  # the output_dir lock of `run` ends with the command (also when called in-process)
 
 

@@ -25,9 +25,12 @@ import os
 import subprocess
 import sys
 
+from launcher import tasks
 from launcher.checkpoint import pickle_scan
+from launcher.checkpoint import resume as checkpoint_resume
 from launcher.config import load_config
 from launcher.errors import ConfigError
+from launcher.train.schedule_from import batches_per_rank
 
 
 def add_parser(sub) -> None:
@@ -62,8 +65,6 @@ def parse_factors(text: str) -> list[int]:
 def checkpoint_position(cfg, path: str):
     """(path, manifest, F0, LR): the checkpoint, the factor its run had at that step (its metrics.jsonl) and the
     optimizer's learning rate there."""
-    from launcher.checkpoint import resume as checkpoint_resume
-
     plan = checkpoint_resume.plan_resume(cfg, cfg.world_size, path)
     manifest = plan.manifest
     if manifest.partial_window:
@@ -109,7 +110,7 @@ def steps_for(samples: int, factor: int, manifest, per_rank: int, micro: int, wo
 def checkpoint_lr(checkpoint: str, metrics_lr: float | None, fallback: float) -> float:
     """The learning rate the optimizer holds at the checkpoint (its first param group in trainer.pt; the
     checkpoint step's metrics line where a back end keeps the optimizer in its own shards)."""
-    import torch
+    import torch  # only this command's worker-free steps need it: the CLI loads this module on login nodes
 
     path = os.path.join(checkpoint, "trainer.pt")
     pickle_scan.check_state_file(path)  # a planted or foreign pickle: the one line `run` gives, exit 2
@@ -178,9 +179,6 @@ def main(args) -> int:
         print(f"accum-sched cbs: WARNING: probing at LR {lr:.3g}, below a tenth of the run's peak {peak:.3g} "
               f"(--allow-low-lr): the factors' losses may differ by noise only", file=sys.stderr, flush=True)
     out = os.path.abspath(args.out or os.path.join(cfg.run.output_dir, "cbs"))
-    from launcher import tasks
-    from launcher.train.schedule_from import batches_per_rank
-
     world, micro = cfg.world_size, cfg.data.micro_batch_size
     per_rank, _ = batches_per_rank(len(tasks.build(cfg.task.target, cfg.task.args).dataset), world, micro, False)
     results = []
@@ -231,10 +229,10 @@ def _print_table(report: dict) -> None:
 
 def _plot(report: dict, path: str) -> None:
     try:
-        import matplotlib
+        import matplotlib  # optional: the plot is skipped without it
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional, as above
     except ImportError:
         return
     fig = figure(report, plt)

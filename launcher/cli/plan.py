@@ -5,8 +5,11 @@ docs/batch-size.md); for a written schedule, the factor per step range at the co
 dataset to know its length (so it imports torch, unlike `check`)."""
 from __future__ import annotations
 
+from launcher import tasks
 from launcher.config import load_config
 from launcher.errors import ConfigError
+from launcher.train import schedule_from
+from launcher.train.schedule_from import batches_per_rank
 
 
 def add_parser(sub) -> None:
@@ -18,8 +21,7 @@ def add_parser(sub) -> None:
 
 def main(args) -> int:
     cfg = load_config(args.config, list(args.set))
-    from launcher import tasks
-    from launcher.train import schedule_from, streams
+    from launcher.train import streams  # imports torch: the CLI loads this module on login nodes
 
     task = tasks.build(cfg.task.target, cfg.task.args)
     if streams.is_stream(task.dataset):
@@ -38,8 +40,6 @@ def main(args) -> int:
 
 def _written(cfg, samples: int, world: int) -> list[str]:
     """A written schedule (epoch unit) per epoch range: steps it takes, factor and effective batch."""
-    from launcher.train.schedule_from import batches_per_rank
-
     schedule = cfg.schedule_for(world)
     if schedule.unit != "epoch":
         return [f"schedule ({schedule.unit}) {schedule.to_dict()}: the factor per step range is planned for epoch "

@@ -12,7 +12,7 @@ import time
 
 from launcher.checkpoint import resume as checkpoint_resume
 from launcher.cli.check import preflight
-from launcher.config import load_config, write_resolved
+from launcher.config import LR_SCHEDULERS, OPTIMIZERS, load_config, write_resolved
 from launcher.errors import ConfigError
 from launcher.launch import env as launch_env
 from launcher.launch import failures, forward, malloc, rundir
@@ -41,7 +41,7 @@ def check_devices(cfg) -> None:
     or where only torch can count them (ROCm, GPUs named by UUID)."""
     count = launch_env.gpus_without_torch(os.environ)
     if count is None or (count > 0 and cfg.distributed.process_group != "gloo"):
-        import torch
+        import torch  # about 3 s, and only where only torch can count the GPUs (login nodes have none)
 
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     warning = launch_env.check_devices(cfg.distributed.process_group, cfg.distributed.nproc_per_node, count)
@@ -70,9 +70,7 @@ def main(args) -> int:
     preflight(cfg)
     data_size.check_builtin(cfg)  # a built-in task's dataset without one micro-batch per rank: exit 2 here
     if not _plain_optimizer(cfg):
-        from launcher.train.optim import (
-            check_config,  # imports torch and the named classes: only when there is a name to check
-        )
+        from launcher.train.optim import check_config  # imports torch: only when there is a name to check
 
         check_config(cfg)
     check_devices(cfg)  # before anything is written: a setting this node cannot honour leaves no run directory
@@ -121,8 +119,6 @@ def _completed_since(run_dir: str, began: float) -> bool:
 
 def _plain_optimizer(cfg) -> bool:
     """A built-in optimizer and LR scheduler without extra keywords: nothing to import before launch."""
-    from launcher.config import LR_SCHEDULERS, OPTIMIZERS
-
     sched = cfg.lr_scheduler
     return (cfg.optimizer.name in OPTIMIZERS and not cfg.optimizer.args
             and (sched is None or (sched.name in LR_SCHEDULERS and not sched.args)))

@@ -249,7 +249,7 @@ class CheckpointConfig(Section):
     on_world_change: str = key("error", train=False, choices=("error", "keep_global_batch", "keep_factor"),
                                doc="resuming on another number of workers: `error`, `keep_global_batch` or "
                                    "`keep_factor`")
-    # how long ranks wait while rank 0 writes, hashes or verifies a checkpoint (launcher/train/coordination.py)
+    # how long ranks wait while rank 0 writes, hashes or verifies a checkpoint (launcher/checkpoint/coordination.py)
     timeout_s: int = key(3600, train=False, check=at_least(10),
                          doc="how long ranks wait while rank 0 writes, hashes or verifies a checkpoint")
 

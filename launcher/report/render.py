@@ -318,6 +318,7 @@ def title(numbers: dict, run_dir: str) -> str:
 # -- the picture ----------------------------------------------------------------------------------------------------
 def _load_matplotlib(run_dir: str):
     try:
+        # optional (accum-sched[report]): `report` says how to install it when missing
         import matplotlib
     except ImportError:
         raise ConfigError(run_dir, "the report needs matplotlib, which is not installed",
@@ -371,6 +372,7 @@ def _draw_loss(ax_loss, ax_samples, history: History, steps: list, samples: list
     Skipped steps have no loss (NaN); the line joins their neighbours. A short run gets markers and no moving
     average (a window under 3 steps would only repeat the raw line).
     """
+    # optional, loaded by _load_matplotlib above
     from matplotlib.ticker import EngFormatter
 
     loss = [float(v) for v in history.column("loss")]
@@ -416,6 +418,7 @@ def _draw_factor(ax, history: History, steps: list, segments: list) -> None:
 
     The factor holds for a whole window: window k spans (k-1, k] in "steps completed", hence steps-pre from 0.
     """
+    # optional, loaded by _load_matplotlib above
     from matplotlib.ticker import MaxNLocator
 
     factors = history.column("factor")

@@ -22,12 +22,12 @@ import difflib
 import importlib
 import importlib.util
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from launcher.errors import ConfigError
+from launcher.import_path import ensure_cwd_on_path
 
 BUILTINS = {
     "regression": "launcher.tasks.builtin:regression",
@@ -67,17 +67,10 @@ def resolve(target: str) -> tuple[str, str]:
     return module, function
 
 
-def _ensure_cwd_on_path() -> None:
-    # `accum-sched run` is started from the user's project; their task modules live there (like `python -m`).
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)
-
-
 def check_target(target: str) -> None:
     """Raise ConfigError if the module cannot be found or does not define the function (no import of it)."""
     module, function = resolve(target)
-    _ensure_cwd_on_path()
+    ensure_cwd_on_path()
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError) as exc:
@@ -156,7 +149,7 @@ def _parameters(target: str) -> list[str] | None:
 def build(target: str, args: dict) -> Task:
     """Import the target and call it with ``args``; normalise what it returns into a Task."""
     module_name, function = resolve(target)
-    _ensure_cwd_on_path()
+    ensure_cwd_on_path()
     module = importlib.import_module(module_name)
     try:
         factory = getattr(module, function)

@@ -42,6 +42,7 @@ def _quiet_transformers() -> None:
 
 # -- model ------------------------------------------------------------------------------------------------------
 def _load_model(args: HFArgs):
+    # optional (accum-sched[hf]), and slow to import: only this task needs it
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -93,6 +94,7 @@ def _read_texts(args: HFArgs) -> list[str]:
                                       "give every row that field, or set text_field")
                 texts.append(row[field])
         return texts
+    # optional (accum-sched[hf]): only a Hub or local dataset needs it
     import datasets
 
     loaded = datasets.load_from_disk(args.data)
@@ -111,6 +113,7 @@ def _encoder(args: HFArgs):
     """(texts -> lists of ids, padding id, tokenizer or None)."""
     if args.tokenizer is None:
         return (lambda texts: [list(t.encode("utf-8")) for t in texts]), 0, None
+    # optional (accum-sched[hf]): only a named tokenizer needs it
     from transformers import AutoTokenizer
 
     try:
@@ -186,6 +189,7 @@ def make_save_fn(config, tokenizer):
         A fresh module on the meta device takes the tensors (no second copy of the weights, and none of the
         training wrappers: DDP, ZeRO partitions, FSDP shards), so the export is the same under every back end.
         """
+        # optional (accum-sched[hf]), as in _load_model
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):

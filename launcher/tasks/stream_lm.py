@@ -29,6 +29,7 @@ import json
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import IterableDataset
@@ -75,6 +76,7 @@ def load_encoder(tokenizer: str, eos_token: str | None = None) -> Encoder:
     if tokenizer == "bytes":
         return _bytes_encoder()
     if os.path.isfile(tokenizer):
+        # optional: only a tokenizer.json file needs it
         from tokenizers import Tokenizer
 
         try:
@@ -92,6 +94,7 @@ def load_encoder(tokenizer: str, eos_token: str | None = None) -> Encoder:
         pad = raw.padding["pad_id"] if raw.padding else next(
             (raw.token_to_id(n) for n in PAD_NAMES if raw.token_to_id(n) is not None), eos)
         return Encoder(lambda text: raw.encode(text, add_special_tokens=False).ids, eos, pad, vocab)
+    # optional (accum-sched[hf]): only a Hub tokenizer needs it
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -326,8 +329,6 @@ def metrics_fn(model, batch):
 
 
 def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

@@ -24,9 +24,15 @@ import random
 import zlib
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset, Subset, default_collate
 
 from accum_sched import collective
+
+try:  # its RNG is forked around evaluation where it is installed (torch does not need it)
+    import numpy as np
+except ImportError:
+    np = None
 
 
 def shard(n: int, rank: int, world: int) -> range:
@@ -42,8 +48,6 @@ def batches_per_rank(n: int, world: int, micro: int) -> int:
 def unwrap(model):
     """The module to run: DDP's inner module (identical on every rank, no collective in its forward), otherwise the
     model as given (DeepSpeed engine, FSDP2 module, plain module)."""
-    from torch.nn.parallel import DistributedDataParallel
-
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
@@ -52,12 +56,7 @@ def quiet_eval(model: torch.nn.Module, device: torch.device | None = None):
     """no_grad, eval mode and forked RNGs; every module's own training flag and every RNG restored on exit."""
     modes = [(m, m.training) for m in model.modules()]
     py_state = random.getstate()
-    try:
-        import numpy as np
-
-        np_state = np.random.get_state()
-    except ImportError:
-        np, np_state = None, None
+    np_state = None if np is None else np.random.get_state()
     cuda = device is not None and device.type == "cuda"
     try:
         with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"), torch.no_grad():

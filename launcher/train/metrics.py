@@ -233,6 +233,7 @@ class MetricsWriter:
         self._tb = None
         if tensorboard != "off":
             try:
+                # optional (tensorboard): only logging.tensorboard needs it
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 if tensorboard == "on":

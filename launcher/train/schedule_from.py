@@ -21,9 +21,9 @@ def batches_per_rank(samples: int, world: int, micro: int, drop_last: bool) -> t
 
 def reference_multipliers(cfg: Config, steps: int) -> list[float]:
     """LR / base LR of each of ``steps`` reference steps under ``cfg.lr_scheduler``."""
-    import torch
+    import torch  # `accum-sched plan` loads this module on login nodes
 
-    from launcher.train.optim import build_lr_scheduler
+    from launcher.train.optim import build_lr_scheduler  # imports torch, as above
 
     base = cfg.optimizer.lr
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base)
@@ -53,6 +53,7 @@ def convert(cfg: Config, samples: int, world: int) -> schedule_from.Converted:
 
 def lr_scheduler(converted: schedule_from.Converted, optimizer):
     """A LambdaLR giving step j the converted run's LR multiplier (held at the last one past the end)."""
+    # torch: `accum-sched plan` loads this module on login nodes
     import torch
 
     table, last = converted.lr, len(converted.lr) - 1

@@ -142,6 +142,7 @@ class _PlainLoader:
 def make_loader(dataset, *, batch_size: int, drop_last: bool, num_workers: int, collate_fn, pin_memory: bool):
     """torchdata's StatefulDataLoader over ``dataset`` (a ShardedStream), else the plain main-process one."""
     try:
+        # optional (torchdata): without it a stream has the plain main-process loader
         from torchdata.stateful_dataloader import StatefulDataLoader
     except ImportError:
         if num_workers > 0:

@@ -15,6 +15,7 @@ import os
 import time
 
 from launcher.config import trackers as settings
+from launcher.config.schema import key_paths
 from launcher.train.metrics import atomic_write_json
 
 STATE_FILE = "trackers.json"
@@ -31,8 +32,6 @@ def numeric(record: dict, prefix: str, skip=("step",)) -> dict:
 def flat_params(config: dict) -> dict[str, str]:
     """The resolved config as MLflow params: ``section.key`` (``distributed.fsdp.param_dtype`` inside the nested
     section) -> its value as JSON text, cut to MLflow's limit. A null section (``lr_scheduler: null``) is one param."""
-    from launcher.config.schema import key_paths
-
     out = {}
     for path in key_paths():
         value, found = config, True
@@ -50,6 +49,7 @@ def flat_params(config: dict) -> dict[str, str]:
 
 class _Wandb:
     def __init__(self, cfg, config: dict, run_id: str | None):
+        # optional, and only with logging.wandb
         import wandb
 
         s = settings.wandb_settings(cfg)
@@ -77,6 +77,7 @@ class _Mlflow:
         s = settings.mlflow_settings(cfg)
         if settings.is_file_store(s["tracking_uri"]):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 refuses its file store otherwise
+        # optional, and only with logging.mlflow
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -96,6 +97,7 @@ class _Mlflow:
             client.log_batch(run_id, params=params[i:i + PARAMS_PER_BATCH])
 
     def log(self, values: dict, step: int) -> None:
+        # optional, and only with logging.mlflow
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)

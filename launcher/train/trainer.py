@@ -16,16 +16,21 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from accum_sched import AccumulationEngine, AccumulationSchedule
+from accum_sched import AccumulationEngine
+from accum_sched.planning import simulate_windows
 from accum_sched.resume import ResumeSampler
 from launcher import backends, tasks
+from launcher.backends.compile import CompileClock, compile_stats
+from launcher.checkpoint import coordination
 from launcher.checkpoint.checkpointer import Checkpointer
 from launcher.checkpoint.parts import SamplerEpoch
 from launcher.config import Config
+from launcher.config.noise import adaptive_settings as adaptive_defaults
 from launcher.errors import ConfigError
-from launcher.train import coordination, streams
-from launcher.train.compile import CompileClock
+from launcher.launch.env import choose_device, detect
+from launcher.train import plan, schedule_from, streams, trackers
 from launcher.train.data_size import too_small
+from launcher.train.factors import run_factors
 from launcher.train.metrics import (
     MetricsWriter,
     Progress,
@@ -41,6 +46,12 @@ from launcher.train.metrics import (
 )
 from launcher.train.optim import build_lr_scheduler, build_optimizer
 from launcher.train.preempt import requeue
+from launcher.train.validation import Validation
+
+try:  # seeded where installed (torch does not need it)
+    import numpy as np
+except ImportError:
+    np = None
 
 log = logging.getLogger("accum_sched.worker")
 
@@ -58,25 +69,17 @@ def to_device(batch, device: torch.device):
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
-    try:
-        import numpy as np
-
+    if np is not None:
         np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
 
 
 def detect_launch():
     """Rank, local rank, world size and rendezvous address of this process (see launcher/launch/env.py)."""
-    from launcher.launch.env import detect
-
     return detect()
 
 
 def init_distributed(cfg: Config, launch) -> torch.device:
     """Join the process group (NCCL with CUDA, gloo otherwise, unless configured) and pin this rank's device."""
-    from launcher.launch.env import choose_device
-
     wanted = cfg.distributed.process_group
     # which GPU, if any: per-task SLURM binding and CUDA_VISIBLE_DEVICES decide, not the local rank alone
     kind, index = choose_device(wanted, torch.cuda.device_count() if torch.cuda.is_available() else 0, launch)
@@ -106,9 +109,7 @@ def init_distributed(cfg: Config, launch) -> torch.device:
 
 def adaptive_settings(cfg: Config) -> dict | None:
     """``accumulation.adaptive`` with its defaults, or None (checked already by config validation)."""
-    from launcher.config.noise import adaptive_settings as settings
-
-    return None if cfg.accumulation.adaptive is None else settings(cfg.accumulation.adaptive)
+    return None if cfg.accumulation.adaptive is None else adaptive_defaults(cfg.accumulation.adaptive)
 
 
 def plan_total_steps(schedule, loader, sampler, task, cfg: Config, world: int) -> int:
@@ -144,8 +145,6 @@ def _map_style_steps(schedule, loader, sampler, task, cfg: Config, world: int) -
         raise ConfigError("accumulation.unit", "tokens-keyed schedules need the task's length_fn or count_fn to "
                           "plan LR totals", "return length_fn(sample) -> tokens (or count_fn(batch)) from the task, "
                           "or set lr_scheduler: null")
-    from launcher.train import plan
-
     rank = dist.get_rank() if dist.is_initialized() else 0
     counts = plan.sample_counts(task, rank, world)
     per_step = plan.micro_step_counts(counts, task.dataset, epochs, world, micro, batches, cfg.data.shuffle,
@@ -183,12 +182,10 @@ class Trainer:
         # finds the checkpoint to resume (rank 0 reads, all agree); its world size may rescale the schedule
         self.checkpointer = Checkpointer(cfg, self.rank, self.world, resume, device)
         self.converted = self._schedule_from()  # accumulation.schedule_from: the schedule and LR per step
-        written = cfg.schedule_for(self.world) if self.converted is None else self.converted.schedule
-        self.schedule = self.checkpointer.schedule(written)
         self.adaptive = adaptive_settings(cfg)
-        # adaptive: the factor is decided during the run, so the total is an upper bound (every window at min_factor)
-        planned = self.schedule if self.adaptive is None else AccumulationSchedule(self.adaptive["min_factor"])
-        self.total_steps = plan_total_steps(planned, self.loader, self.sampler, self.task, cfg, self.world)
+        self.factors = run_factors(cfg, self.world, self.checkpointer.plan, self.converted, self.adaptive)
+        self.schedule = self.factors.schedule
+        self.total_steps = plan_total_steps(self.factors.planned, self.loader, self.sampler, self.task, cfg, self.world)
         if self.converted is not None and self.total_steps != self.converted.total_steps:
             raise RuntimeError(f"schedule_from planned {self.converted.total_steps} optimizer steps, the run has "
                                f"{self.total_steps}")  # the two planners disagree: a bug, not a config error
@@ -226,23 +223,19 @@ class Trainer:
         if streams.is_stream(self.task.dataset):
             raise ConfigError("accumulation.schedule_from", "needs a map-style dataset (its length places the "
                               "factors), but the task's dataset is a stream", "write accumulation.schedule instead")
-        from launcher.train import schedule_from
-
         return schedule_from.convert(self.cfg, len(self.task.dataset), self.world)
 
     def _make_optimizer(self, module):
         """The optimizer and LR scheduler of ``module`` (the module: no_decay matches its parameter names)."""
         optimizer = build_optimizer(self.cfg.optimizer, module)
         if self.converted is not None:  # schedule_from: the converted run's LR per step
-            from launcher.train import schedule_from
-
             return optimizer, schedule_from.lr_scheduler(self.converted, optimizer)
         return optimizer, build_lr_scheduler(self.cfg.lr_scheduler, optimizer, self.total_steps)
 
     def _make_engine(self) -> AccumulationEngine:
         cfg, acc = self.cfg, self.cfg.accumulation
         return AccumulationEngine(
-            self.setup.module, schedule=1 if self.adaptive else self.schedule, **self.setup.engine_args,
+            self.setup.module, schedule=self.factors.engine, **self.setup.engine_args,
             max_grad_norm=cfg.optimizer.max_grad_norm, normalize=acc.normalize, uneven=acc.uneven,
             nonfinite=acc.nonfinite, precision=cfg.run.precision, micro_batch_size=cfg.data.micro_batch_size,
             lr_coupling=acc.lr_coupling, co_scale=acc.co_scale, noise_scale=acc.noise_scale, adaptive=self.adaptive,
@@ -255,8 +248,6 @@ class Trainer:
                 raise ConfigError("eval.early_stop", "needs a validation set, but the task returns no val_dataset",
                                   "return val_dataset from the task, or remove eval.early_stop")
             return None
-        from launcher.train.validation import Validation
-
         return Validation(self.cfg, self.task, self.setup.module, self.device, self.rank, self.engine.autocast,
                           lambda batch: to_device(batch, self.device), self.final_state_dict, self.run_dir,
                           self.start)
@@ -304,8 +295,6 @@ class Trainer:
         # throughput over the last log_every steps; elapsed_s goes on from a resumed run's last kept line
         self.throughput = Throughput(cfg.logging.log_every, self._counts_tokens(), self.metrics.elapsed_before)
         self.planned_micro_batches = self._planned_micro_batches()
-        from launcher.train import trackers  # imports wandb / mlflow only when configured
-
         self.trackers = trackers.start(cfg, self.run_dir, resumed=self.resume is not None)
         per_epoch = "a stream of" if streams.is_stream(self.task.dataset) else len(self.loader)
         steps = self.shown_total or "unplanned"
@@ -379,8 +368,6 @@ class Trainer:
             return batches * cfg.run.epochs
         if self.adaptive is not None or self.schedule.unit == "tokens":
             return None
-        from accum_sched.planning import simulate_windows
-
         micro, per_rank = cfg.data.micro_batch_size, len(self.sampler)
         samples = (lambda e, i: self.world * min(micro, per_rank - i * micro)) if self.schedule.unit == "samples" \
             else None
@@ -435,7 +422,7 @@ class Trainer:
         """The ranks agreed to stop after this micro-batch (a preemption signal, launcher/train/preempt.py): commit its
         checkpoint (with the open window, if inside one), then rank 0 requeues the SLURM job, which resumes by
         itself. The worker then exits 0: a preempted run is not a failed one (torchrun would restart it)."""
-        path = self.checkpointer.save_now("preempt")  # a no-op when this step is saved already (on_step)
+        path = self.checkpointer.save("preempt")  # a no-op when this step is saved already (on_step)
         if self.rank != 0:
             return
         self.metrics.close()
@@ -467,9 +454,7 @@ class Trainer:
         if self.task.save_fn is not None:  # the task's own export (e.g. a save_pretrained directory)
             self.task.save_fn(state, self.run_dir)
         last = self.engine.last_step
-        from launcher.train.compile import compile_stats  # run.compile's summary fields (null when eager)
-
-        summary = {
+        summary = {  # compile_stats: run.compile's summary fields (null when eager)
             "world_size": self.world, "epochs": self.cfg.run.epochs, "completed_epochs": self.engine.epoch_index,
             "optimizer_steps": counters["optimizer_steps"], "skipped_steps": counters["skipped_steps"],
             "overflow_steps": counters["overflow_steps"],

@@ -23,7 +23,8 @@ BEST_FILE = "model-best.pt"
 
 class Validation:
     """Built by the worker when the task has a ``val_dataset``. ``state_fn()`` returns the model state to save as
-    model-best.pt on rank 0 (None elsewhere); it is collective under DeepSpeed, so it is called on every rank."""
+    model-best.pt on rank 0 (None elsewhere); it is collective under DeepSpeed and FSDP2, so it is called on every
+    rank."""
 
     def __init__(self, cfg, task, model, device, rank: int, autocast, move, state_fn, run_dir: str, start: float):
         self.section, self.task, self.model, self.device = cfg.eval, task, model, device

@@ -42,8 +42,8 @@ def small_config(tmp: str, **distributed):
 def _coordination(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
 
+    from launcher.checkpoint import coordination
     from launcher.checkpoint.checkpointer import Checkpointer
-    from launcher.train import coordination
 
     # the training group as a worker has it, with a short timeout standing in for distributed.timeout_s
     dist.destroy_process_group()

@@ -138,6 +138,6 @@ def test_after_step_order_metrics_then_eval_then_checkpoint(tmp_path):
         assert state["eval"]["last"]["step"] == step
     manifests = [json.loads((root / f"step-{s:08d}" / "manifest.json").read_text()) for s in (1, 2)]
     assert [m["reason"] for m in manifests] == ["step", "stop"]  # the early stop was asked before the save
-    assert [m["deepspeed"] for m in manifests] == [False, False]
+    assert [(m["backend"], m["sharded"]) for m in manifests] == [("ddp", False)] * 2  # who wrote it, and how
     summary = json.loads((run / "summary.json").read_text())
     assert summary["optimizer_steps"] == 2 and summary["stopped_early"] is True

@@ -31,7 +31,7 @@ step = 0
 if found:
     path, manifest = found
     state = torch.load(os.path.join(path, store.STATE), weights_only=True)
-    step = manifest["step"]
+    step = manifest.step
     assert state["step"] == step and torch.equal(state["w"], torch.full((1 << 20,), float(step))), path
 print(step, flush=True)
 while True:
@@ -67,7 +67,7 @@ def test_ten_sigkills_during_checkpoint_writes_never_resume_a_torn_checkpoint(tm
         torn += any(name.endswith(".tmp") for name in os.listdir(root))
         path, manifest = store.find(root, "auto")  # what a resume picks: complete, checksums and all
         state = torch.load(os.path.join(path, store.STATE), weights_only=True)
-        assert state["step"] == manifest["step"]
+        assert state["step"] == manifest.step
         assert torch.equal(state["w"], torch.full((1 << 20,), float(state["step"])))
     assert resumed[0] == 0 and all(b > a for a, b in zip(resumed, resumed[1:])), resumed  # progress every time
     assert torn >= 5, f"only {torn} of 10 kills landed inside a write"

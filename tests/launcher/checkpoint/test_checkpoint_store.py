@@ -44,7 +44,7 @@ def test_commit_verify_find_fall_back_and_rotate(tmp_path):
     os.makedirs(store.step_dir(root, 16) + ".tmp")  # a save that died half way: invisible
     assert [s for s, _ in store.list_checkpoints(root)] == [4, 8, 12]
     assert store.verify(third) == (store.verify(third)[0], None)
-    assert set(store.verify(third)[0]["files"]) == {"trainer.pt", os.path.join("deepspeed", "shard.pt")}
+    assert set(store.verify(third)[0].files) == {"trainer.pt", os.path.join("deepspeed", "shard.pt")}
 
     shard = os.path.join(third, "deepspeed", "shard.pt")
     with open(shard, "r+b") as f:
@@ -52,7 +52,7 @@ def test_commit_verify_find_fall_back_and_rotate(tmp_path):
     os.truncate(os.path.join(second, store.STATE), 50)
     problems = []
     path, manifest = store.find(root, "auto", problems.append)
-    assert path == first and manifest["step"] == 4
+    assert path == first and manifest.step == 4
     assert problems == [f"skipping damaged checkpoint: {shard}: sha256 differs from the manifest (corrupted)",
                         f"skipping damaged checkpoint: {os.path.join(second, store.STATE)}: 50 bytes, the manifest "
                         f"says 100 (truncated or torn)"]

@@ -2,7 +2,7 @@
 than checkpoint.timeout_s over its first checkpoint commit (tests/slow_commit_tasks.py sleeps inside
 launcher.checkpoint.store.commit, as bench/gpu_smoke.py's slow-save worker does).
 
-Rank 1 waits on the coordination group (launcher/train/coordination.py) and gives up after checkpoint.timeout_s
+Rank 1 waits on the coordination group (launcher/checkpoint/coordination.py) and gives up after checkpoint.timeout_s
 with an error that names it; rank 0, done committing, finds rank 1 gone and says so, naming the same field. The run
 fails (no hang: without the group's own timeout rank 1 would wait for distributed.timeout_s, 600 s)."""
 from __future__ import annotations
@@ -47,12 +47,12 @@ def test_slow_rank0_commit_fails_every_rank_naming_timeout_s(tmp_path):
     out = proc.stdout[-3000:] + proc.stderr[-8000:]
     assert proc.returncode != 0, out
     step = tmp_path / "run" / "checkpoints" / "step-00000002"
-    waited = (f"[rank1]: launcher.train.coordination.CoordinationError: checkpoint committing {step}: rank 1 "
+    waited = (f"[rank1]: launcher.checkpoint.coordination.CoordinationError: checkpoint committing {step}: rank 1 "
               f"waited longer than checkpoint.timeout_s ({TIMEOUT_S} s) for the other ranks")
     assert waited in proc.stderr, out
     # rank 0 finds rank 1 gone ("lost the other ranks ..."; on a machine so loaded that rank 1 is slow to exit, it
     # may wait out the timeout itself instead): either way its error names the same field
-    lost = re.compile(rf"\[rank0\]: launcher\.train\.coordination\.CoordinationError: checkpoint committing "
+    lost = re.compile(rf"\[rank0\]: launcher\.checkpoint\.coordination\.CoordinationError: checkpoint committing "
                       rf"{re.escape(str(step))}: rank 0 .*checkpoint\.timeout_s \({TIMEOUT_S} s\)")
     assert lost.search(proc.stderr), out
     # rank 1 gave up after TIMEOUT_S, rank 0 after SLOW_S; start-up and teardown on a loaded machine take the rest

@@ -1,6 +1,6 @@
 """The checkpoint manifest and the resume plan, in one process on real files: the typed Manifest round trip and its
-JSON keys, migration from every manifest older releases wrote, and `accum-sched run`'s preflight and the workers'
-Checkpointer reaching the same verdict through the one plan_resume."""
+JSON keys, the refusal of a manifest another version wrote (0.1.0 was never released: nothing to migrate), and
+`accum-sched run`'s preflight and the workers' Checkpointer reaching the same verdict through the one plan_resume."""
 from __future__ import annotations
 
 import copy
@@ -10,9 +10,10 @@ import os
 
 import pytest
 
+from launcher.checkpoint import manifest as manifests
 from launcher.checkpoint import resume as resume_checks
 from launcher.checkpoint import store
-from launcher.checkpoint.manifest import MANIFEST, VERSION, Manifest, ManifestError, migrate
+from launcher.checkpoint.manifest import MANIFEST, VERSION, Manifest, ManifestError
 from launcher.checkpoint.resume import plan_resume
 from launcher.config import validate
 from launcher.errors import ConfigError
@@ -20,18 +21,19 @@ from launcher.errors import ConfigError
 BASE = {"task": {"target": "builtin:regression"}, "data": {"micro_batch_size": 8},
         "accumulation": {"schedule": {0: 1, 2: 2}}, "distributed": {"nproc_per_node": 2}}
 
-# the keys manifest.json has held since the first checkpoints (launcher/checkpoint.py at e0d10d2)
-V1_KEYS = {"format", "step", "epoch", "micro_batch", "batches_per_epoch", "world_size", "factor_scale",
-           "micro_batch_size", "config_hash", "config", "reason", "deepspeed", "skipped_steps", "created", "files"}
+# the keys of manifest.json (docs/checkpoints.md)
+KEYS = {"format", "version", "step", "epoch", "micro_batch", "batches_per_epoch", "world_size", "factor_scale",
+        "micro_batch_size", "config_hash", "config", "reason", "backend", "sharded", "skipped_steps", "created",
+        "partial_window", "stream", "files"}
 
-# As older releases wrote them (values as a 2-worker run of BASE would have; config left short: not compared here).
-V1 = {"format": 1, "step": 8, "epoch": 0, "micro_batch": 8, "batches_per_epoch": 16, "world_size": 2,
-      "factor_scale": [1, 1], "micro_batch_size": 8, "config_hash": "0" * 64, "config": {"run": {"seed": 0}},
-      "reason": "step", "deepspeed": False, "skipped_steps": 1, "created": 1733300000.5,
-      "files": {"trainer.pt": {"bytes": 3, "sha256": hashlib.sha256(b"abc").hexdigest()}}}
-V2 = dict(V1, step=9, micro_batch=11, reason="preempt", partial_window=True)  # stops inside a window (issue 12)
-# what tests and hand-made folders commit: only some fields
-PARTIAL = {"format": 1, "step": 4, "world_size": 2, "config_hash": "0" * 64, "config": {}}
+CURRENT = {"format": 1, "version": VERSION, "step": 9, "epoch": 0, "micro_batch": 11, "batches_per_epoch": 16,
+           "world_size": 2, "factor_scale": [1, 1], "micro_batch_size": 8, "config_hash": "0" * 64,
+           "config": {"run": {"seed": 0}}, "reason": "preempt", "backend": "fsdp", "sharded": True,
+           "skipped_steps": 1, "created": 1733300000.5, "partial_window": True, "stream": False,
+           "files": {"trainer.pt": {"bytes": 3, "sha256": hashlib.sha256(b"abc").hexdigest()}}}
+# As earlier development versions wrote them: version 4 (a `deepspeed` flag), and version 2 (no `version` key)
+EARLIER = dict({k: v for k, v in CURRENT.items() if k not in ("backend", "sharded")}, version=4, deepspeed=False)
+UNVERSIONED = {k: v for k, v in EARLIER.items() if k not in ("version", "stream")}
 
 
 def config(tmp_path, **sections):
@@ -42,30 +44,31 @@ def config(tmp_path, **sections):
     return validate(raw)
 
 
-def test_round_trip_keeps_the_keys_on_disk_and_adds_version():
-    m = migrate(V2)
-    assert m.to_dict().keys() == V1_KEYS | {"partial_window", "version", "stream"}
+def test_round_trip_keeps_the_keys_on_disk():
+    m = manifests.read(CURRENT)
+    assert m.to_dict().keys() == KEYS and (m.backend, m.sharded) == ("fsdp", True)
     assert Manifest.from_dict(json.loads(json.dumps(m.to_dict()))) == m
     assert m.factor_scale == (1, 1) and m.to_dict()["factor_scale"] == [1, 1]
-    assert m["step"] == 9 and m.get("missing", 5) == 5  # the dict-style reads of older callers still work
-    with pytest.raises(ManifestError, match="lacks partial_window, stream, version"):
-        Manifest.from_dict(V1)  # from_dict is strict: an older one goes through migrate
-
-
-def test_migrate_reads_every_older_manifest():
-    v1 = migrate(V1)
-    assert (v1.version, v1.partial_window, v1.step, v1.world_size, v1.batches_per_epoch) == (VERSION, False, 8, 2, 16)
-    assert v1.files == V1["files"] and v1.created == V1["created"]
-    v2 = migrate(V2)
-    assert (v2.version, v2.partial_window, v2.micro_batch, v2.reason) == (VERSION, True, 11, "preempt")
-    assert migrate(migrate(V2).to_dict()) == v2  # the current version migrates to itself
-    part = migrate(PARTIAL)
-    assert (part.step, part.world_size, part.factor_scale, part.partial_window, part.files) == (4, 2, (1, 1), False, {})
-    assert migrate(dict(V1, future_field=1)) == v1  # keys it does not know are dropped
-    with pytest.raises(ManifestError, match="newer than this accum-sched reads"):
-        migrate(dict(V2, version=VERSION + 1))
+    assert manifests.read(dict(CURRENT, future_field=1)) == m  # keys it does not know are dropped
+    part = manifests.read({"version": VERSION, "step": 4, "world_size": 2})  # hand-made: the rest at defaults
+    assert (part.step, part.world_size, part.factor_scale, part.backend, part.sharded) == (4, 2, (1, 1), "", False)
+    with pytest.raises(ManifestError, match="lacks backend, batches_per_epoch"):
+        Manifest.from_dict({"step": 4})  # from_dict is strict
     with pytest.raises(ManifestError, match="wrong kind"):
-        migrate(dict(V1, world_size="two"))
+        manifests.read(dict(CURRENT, world_size="two"))
+
+
+@pytest.mark.parametrize("raw, says", [
+    (EARLIER, f"manifest version 4, this one reads {VERSION}"),
+    (UNVERSIONED, f"manifest version 1 or 2, this one reads {VERSION}"),
+])
+def test_a_manifest_of_an_earlier_development_version_is_refused(raw, says):
+    with pytest.raises(ManifestError) as caught:
+        manifests.read(raw)
+    assert str(caught.value).startswith("written by an earlier development version of accum-sched (" + says)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ManifestError, match="newer than this accum-sched reads"):
+        manifests.read(dict(CURRENT, version=VERSION + 1))
 
 
 def _checkpoint(root, name, manifest: dict):
@@ -79,42 +82,61 @@ def _checkpoint(root, name, manifest: dict):
     return path
 
 
-def test_old_manifests_on_disk_are_found_and_newer_ones_are_refused(tmp_path):
+def test_other_versions_on_disk_are_skipped_by_auto_and_refused_by_name(tmp_path):
     cfg = config(tmp_path)
     root = store.checkpoint_root(cfg)
     current = {"config_hash": store.config_hash(cfg), "config": store.training_config(cfg)}
-    first = _checkpoint(root, "step-00000008", dict(V1, **current))
+    first = _checkpoint(root, "step-00000008", dict(CURRENT, step=8, micro_batch=8, partial_window=False,
+                                                    backend="ddp", sharded=False, **current))
     path, m = store.find(root, "auto")
-    assert path == first and isinstance(m, Manifest) and m.partial_window is False and m.version == VERSION
+    assert path == first and isinstance(m, Manifest) and (m.backend, m.version) == ("ddp", VERSION)
     plan = plan_resume(cfg, 2, "auto")
     assert (plan.path, plan.manifest, plan.scale, plan.diffs) == (first, m, (1, 1), ())
 
-    newer = _checkpoint(root, "step-00000009-mb000011", dict(V2, version=VERSION + 1, **current))
+    newer = _checkpoint(root, "step-00000009-mb000011", dict(CURRENT, version=VERSION + 1, **current))
+    older = _checkpoint(root, "step-00000010", dict(EARLIER, step=10, **current))
     problems = []
-    assert store.find(root, "auto", problems.append)[0] == first  # auto falls back past it, saying why
-    assert problems == [(f"skipping damaged checkpoint: {os.path.join(newer, MANIFEST)}: manifest version "
-                         f"{VERSION + 1} is newer than this accum-sched reads ({VERSION}); resume it with the "
-                         f"release that wrote it")]
+    assert store.find(root, "auto", problems.append)[0] == first  # auto falls back past both, saying why
+    assert problems == [
+        f"skipping damaged checkpoint: {os.path.join(older, MANIFEST)}: written by an earlier development version "
+        f"of accum-sched (manifest version 4, this one reads {VERSION}); start afresh without --resume, or resume "
+        f"it with the version that wrote it",
+        f"skipping damaged checkpoint: {os.path.join(newer, MANIFEST)}: manifest version {VERSION + 1} is newer "
+        f"than this accum-sched reads ({VERSION}); resume it with the release that wrote it"]
     with pytest.raises(ConfigError, match="newer than this accum-sched"):
         store.find(root, newer)
 
 
-def test_a_version_3_manifest_migrates_to_one_without_stream_state():
-    v3 = migrate(dict(V2, version=3))
-    assert (v3.version, v3.stream, v3.partial_window, v3.micro_batch) == (VERSION, False, True, 11)
+def test_run_refuses_an_earlier_versions_checkpoint_in_one_line_with_exit_2(tmp_path, capsys):
+    """The usual path: `accum-sched run --resume CHECKPOINT` stops before anything is written or launched."""
+    from launcher.cli import main
+
+    cfg = config(tmp_path)
+    current = {"config_hash": store.config_hash(cfg), "config": store.training_config(cfg)}
+    older = _checkpoint(store.checkpoint_root(cfg), "step-00000010", dict(EARLIER, step=10, **current))
+    path = tmp_path / "config.json"  # JSON is YAML
+    path.write_text(json.dumps(dict(copy.deepcopy(BASE), run={"output_dir": str(tmp_path / "run")})))
+    assert main(["run", str(path), "--resume", older, "--set", "distributed.process_group=gloo"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --resume: checkpoint {os.path.join(older, MANIFEST)}: written by an earlier development "
+                   f"version of accum-sched (manifest version 4, this one reads {VERSION}); start afresh without "
+                   f"--resume, or resume it with the version that wrote it; pick another checkpoint, or --resume "
+                   f"auto for the newest valid one"]
+    assert not (tmp_path / "run" / "config.yaml").exists()  # nothing launched
 
 
-def test_a_committed_manifest_has_the_old_keys_plus_version(tmp_path):
+def test_a_committed_manifest_has_every_key(tmp_path):
     tmp = str(tmp_path / "step-00000004.tmp")
     os.makedirs(tmp)
     with open(os.path.join(tmp, store.STATE), "wb") as f:
         f.write(b"abc")
-    store.commit(tmp, str(tmp_path / "step-00000004"), Manifest(step=4, world_size=2, reason="epoch"))
+    store.commit(tmp, str(tmp_path / "step-00000004"), Manifest(step=4, world_size=2, reason="epoch",
+                                                              backend="deepspeed", sharded=True))
     with open(tmp_path / "step-00000004" / MANIFEST) as f:
         raw = json.load(f)
-    assert raw.keys() == V1_KEYS | {"partial_window", "version", "stream"} and raw["version"] == VERSION
-    assert raw["stream"] is False
-    assert raw["files"] == V1["files"] and raw["factor_scale"] == [1, 1]
+    assert raw.keys() == KEYS and raw["version"] == VERSION and "deepspeed" not in raw
+    assert (raw["backend"], raw["sharded"], raw["stream"]) == ("deepspeed", True, False)
+    assert raw["files"] == CURRENT["files"] and raw["factor_scale"] == [1, 1]
 
 
 # -- one verdict before launch and in the workers ---------------------------------------------------------------
@@ -191,3 +213,14 @@ def test_auto_with_nothing_to_resume_starts_afresh_in_both(tmp_path, capsys):
     assert plan_resume(cfg, 2, None).fresh and not plan_resume(cfg, 2, "auto").fresh
 
 
+
+
+@pytest.mark.parametrize("backend, refused", [("deepspeed", True), ("fsdp", False), ("ddp", False)])
+def test_the_back_end_that_wrote_a_checkpoint_decides_whether_it_resumes_on_another_world(tmp_path, backend, refused):
+    _saved(tmp_path, config(tmp_path), backend=backend, sharded=backend != "ddp")
+    fewer = config(tmp_path, distributed={"nproc_per_node": 1}, checkpoint={"on_world_change": "keep_factor"})
+    before, worker = _verdicts(fewer, 1)
+    if refused:  # DeepSpeed's per-rank shards: refused before launch and in the workers alike
+        assert before == worker and "DeepSpeed checkpoints hold per-rank shards" in before
+    else:  # FSDP2's DCP shards reshard; DDP's trainer.pt holds the whole state
+        assert before is None and worker.scale == (1, 1)

@@ -37,6 +37,7 @@ def options(value) -> dict | None:
 
 def compile_module(module, opts: dict) -> None:
     """Compile ``module``'s forward in place with torch.compile(**opts); hooks, class and state_dict unchanged."""
+    # torch on the worker only: config validation imports this module on login nodes
     import torch
     import torch._dynamo.utils as dynamo_utils
 
@@ -104,6 +105,7 @@ def compile_stats(model) -> dict:
     None when nothing of ``model`` was compiled."""
     if not is_compiled(model):
         return {"compile_graphs": None, "compile_recompiles": None}
+    # torch on the worker only: config validation imports this module on login nodes
     import torch._dynamo.utils as dynamo_utils
 
     graphs = int(dynamo_utils.counters["stats"]["unique_graphs"])
