@@ -185,13 +185,21 @@ HEAVY = {"torch", "deepspeed", "transformers", "tokenizers", "datasets", "lightn
          "matplotlib"}
 
 
-def _module_level_heavy(path: str) -> bool:
-    """Whether the module at ``path`` imports a HEAVY package at module level (so importing it lazily is lazy torch)."""
+def _module_level_heavy(path: str, _seen: set | None = None) -> bool:
+    """Whether the module at ``path`` imports a HEAVY package at module level, itself or through a project module it
+    imports at module level (so importing it lazily is lazy torch)."""
+    seen = set() if _seen is None else _seen
+    seen.add(path)
+    modules = _modules()
     for node in ast.parse(open(path, encoding="utf-8").read()).body:
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names] \
+            if isinstance(node, ast.ImportFrom) and not node.level else []
         if any(name.split(".")[0] in HEAVY for name in names):
             return True
+        for name in names:
+            if name in modules and modules[name] not in seen and _module_level_heavy(modules[name], seen):
+                return True
     return False
 
 

@@ -39,7 +39,7 @@ def compile_module(module, opts: dict) -> None:
     """Compile ``module``'s forward in place with torch.compile(**opts); hooks, class and state_dict unchanged."""
     # torch on the worker only: config validation imports this module on login nodes
     import torch
-    import torch._dynamo.utils as dynamo_utils
+    import torch._dynamo.utils as dynamo_utils  # torch: workers only (config validation imports this module)
 
     dynamo_utils.set_compilation_metrics_limit(_METRICS_LIMIT)
     forward = module.forward  # the bound method (the class's forward): Dynamo inlines it from the frame below
@@ -72,7 +72,7 @@ def is_compiled(module) -> bool:
 def compile_seconds() -> float:
     """Seconds this process has spent compiling so far: Dynamo's compilation records (forward frames, and the
     backward graphs AOTAutograd compiles lazily at the first backward) with their durations."""
-    import torch._dynamo.utils as dynamo_utils
+    import torch._dynamo.utils as dynamo_utils  # torch: workers only (config validation imports this module)
 
     return sum((m.duration_us or 0) for m in dynamo_utils.get_compilation_metrics()) / 1e6
 
@@ -106,7 +106,7 @@ def compile_stats(model) -> dict:
     if not is_compiled(model):
         return {"compile_graphs": None, "compile_recompiles": None}
     # torch on the worker only: config validation imports this module on login nodes
-    import torch._dynamo.utils as dynamo_utils
+    import torch._dynamo.utils as dynamo_utils  # torch: workers only (config validation imports this module)
 
     graphs = int(dynamo_utils.counters["stats"]["unique_graphs"])
     recompiles = sum(1 for m in dynamo_utils.get_compilation_metrics()

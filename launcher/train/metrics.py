@@ -1,6 +1,7 @@
 """Run outputs on rank 0: metrics.jsonl (one line per optimizer step), summary.json, progress, TensorBoard."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -8,6 +9,8 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+
+from accum_sched.position import Position
 
 SPEED_FIELDS = ("samples_per_s", "tokens_per_s", "elapsed_s")  # on every metrics.jsonl line (tokens: null if none)
 
@@ -44,8 +47,6 @@ def report_line(run_dir: str, matplotlib: bool | None = None) -> str:
     """A run's last line: the command that shows its report, and first what to install where the report cannot
     run (it draws with matplotlib, the `report` extra, which the base install leaves out for training nodes)."""
     if matplotlib is None:
-        import importlib.util
-
         matplotlib = importlib.util.find_spec("matplotlib") is not None
     command = f"accum-sched report {shlex.quote(run_dir)}"
     if matplotlib:
@@ -71,8 +72,6 @@ def steps_after_resume(schedule, batches: int, epochs: int, epoch: int, index: i
     sees, fp16 overflow steps left out). Planning from epoch 0 replays the resumed schedule over the history instead,
     which differs from it under checkpoint.force_resume (an `accum-sched cbs` branch): its total fell below the step
     the run resumed at."""
-    from accum_sched.position import Position
-
     steps = 0
     while epoch < epochs:
         while index < batches:
