@@ -19,7 +19,7 @@ _TYPE_ERRORS = {"int_type": "int", "int_parsing": "int", "int_from_float": "int"
                 "dict_type": "dict", "dataclass_type": "dict", "list_type": "list"}
 
 
-def _did_you_mean(word: str, options) -> str:
+def did_you_mean(word: str, options) -> str:
     close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
     known = ", ".join(map(str, options))
     return f"did you mean {close[0]!r}? (known: {known})" if close else f"known keys: {known}"
@@ -92,7 +92,7 @@ def config_error(exc: pydantic.ValidationError, root: type) -> ConfigError:
     hint = meta.get("hint", "")
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
         known = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
-        return ConfigError(field, "unknown key", _did_you_mean(str(name), known))
+        return ConfigError(field, "unknown key", did_you_mean(str(name), known))
     if kind == "missing":
         section = ".".join(path[:-1])
         return ConfigError(field, "is required", hint or f"add '{name}:' under '{section}:'")
@@ -101,7 +101,7 @@ def config_error(exc: pydantic.ValidationError, root: type) -> ConfigError:
         return ConfigError(where, ctx["problem"], ctx.get("hint") or hint or "change the value")
     if kind == "literal_error":
         choices = [c.strip("'") for c in ctx.get("expected", "").replace(" or ", ", ").split(", ")]
-        fix = _did_you_mean(str(value), choices).replace("known keys", "known values") if isinstance(value, str) \
+        fix = did_you_mean(str(value), choices).replace("known keys", "known values") if isinstance(value, str) \
             else hint or f"write one of {', '.join(choices)}"
         return ConfigError(field, f"{value!r} is not one of {', '.join(choices)}", fix)
     bounds = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than": ("<", "lt"),

@@ -11,7 +11,6 @@ serialise back to the resolved YAML written to `output_dir/config.yaml`.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import types
 import typing
@@ -26,7 +25,7 @@ from accum_sched import schedule_from
 from launcher import backends
 from launcher.config import noise as noise_config
 from launcher.config import sections
-from launcher.config.errors import config_error
+from launcher.config.errors import config_error, did_you_mean
 from launcher.config.sections import LR_SCHEDULERS, OPTIMIZERS, Config, Section  # noqa: F401 (re-exported)
 from launcher.errors import ConfigError
 
@@ -118,15 +117,6 @@ def key_paths() -> dict[str, Field]:
 NULLABLE_SECTIONS = {name for name in SCHEMA if _kind(_CONFIG_HINTS[name])[1]}
 REQUIRED_SECTIONS = {name for name, keys in SCHEMA.items() if any(f.default is REQUIRED for f in keys.values())}
 _CONFIG = pydantic.TypeAdapter(Config)
-
-
-def did_you_mean(word: str, options) -> str:
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    known = ", ".join(options)
-    return f"did you mean {close[0]!r}? (known: {known})" if close else f"known keys: {known}"
-
-
-_did_you_mean = did_you_mean
 
 
 def validate(raw: dict) -> Config:
