@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import warnings
 
 import torch
 
@@ -119,12 +118,7 @@ def _reduce_scatters_of_one_sync(model) -> int:
 
 
 def main(out_dir: str, variants: list[str]) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    rank = int(os.environ.get("RANK", "0"))
-    for variant in variants:
-        torch.save(run(variant), os.path.join(out_dir, f"{variant}-{rank}.pt"))
+    ref.save_variants(run, out_dir, variants)
 
 
 if __name__ == "__main__":

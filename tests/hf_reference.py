@@ -8,6 +8,10 @@ of the whole window; then clips (optionally), steps AdamW and a linear-decay LR 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import warnings
 
 import torch
 
@@ -120,3 +124,26 @@ def reference(order=sequential_order, schedule=SCHEDULE, epochs: int = EPOCHS, m
 def gap(params: dict, ref: dict) -> float:
     """Largest |parameter - reference| over every parameter (by name)."""
     return max((params[name] - r).abs().max().item() for name, r in ref.items())
+
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def launch(script: str, out, variants) -> dict:
+    """``tests/<script> OUT VARIANT...`` under torchrun on WORLD ranks: each variant's saved result, per rank."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(TESTS), TESTS]), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+               os.path.join(TESTS, script), str(out), *variants]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {v: [torch.load(os.path.join(out, f"{v}-{rank}.pt")) for rank in range(WORLD)] for v in variants}
+
+
+def save_variants(run, out_dir: str, variants: list[str]) -> None:
+    """A rank's side of :func:`launch`: ``run(variant)`` for each variant, saved where launch() reads it."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    rank = int(os.environ.get("RANK", "0"))
+    for variant in variants:
+        torch.save(run(variant), os.path.join(out_dir, f"{variant}-{rank}.pt"))

@@ -16,9 +16,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import warnings
-
-import torch
 
 import hf_reference as ref
 
@@ -88,12 +85,7 @@ def run(variant: str, out_dir: str) -> dict:
 
 
 def main(out_dir: str, variants: list[str]) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    rank = int(os.environ.get("RANK", "0"))
-    for variant in variants:
-        torch.save(run(variant, out_dir), os.path.join(out_dir, f"{variant}-{rank}.pt"))
+    ref.save_variants(lambda variant: run(variant, out_dir), out_dir, variants)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,7 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def launch(out, variants) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(TESTS), TESTS]), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ref.WORLD),
-               os.path.join(TESTS, "accelerate_tasks.py"), str(out), *variants]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return {v: [torch.load(out / f"{v}-{rank}.pt") for rank in range(ref.WORLD)] for v in variants}
+    return ref.launch("accelerate_tasks.py", out, variants)
 
 
 @pytest.fixture(scope="module")
