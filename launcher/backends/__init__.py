@@ -13,7 +13,12 @@ from launcher.backends.deepspeed import DeepSpeedBackend
 from launcher.backends.fsdp import FSDPBackend
 
 _BACKENDS: dict[str, LauncherBackend] = {b.name: b for b in (DDPBackend(), DeepSpeedBackend(), FSDPBackend())}
-NAMES: tuple[str, ...] = tuple(_BACKENDS)  # distributed.backend's choices; the first is the default
+
+
+def names() -> tuple[str, ...]:
+    """distributed.backend's choices, the first the default: read when asked, so a back end registered (one line
+    in ``_BACKENDS``) before launcher.config is imported is one of them."""
+    return tuple(_BACKENDS)
 
 
 def get(name: str) -> LauncherBackend:
@@ -21,7 +26,7 @@ def get(name: str) -> LauncherBackend:
     try:
         return _BACKENDS[name]
     except KeyError:
-        raise KeyError(f"no launcher back end {name!r} (known: {', '.join(NAMES)})") from None
+        raise KeyError(f"no launcher back end {name!r} (known: {', '.join(names())})") from None
 
 
 def options() -> dict:
@@ -42,4 +47,4 @@ def validate(cfg) -> None:
     chosen.validate(cfg)
 
 
-__all__ = ["NAMES", "LauncherBackend", "Setup", "get", "options", "validate"]
+__all__ = ["LauncherBackend", "Setup", "get", "names", "options", "validate"]

@@ -129,7 +129,7 @@ def factor_scale(manifest: Manifest, cfg, world: int, path: str = "") -> tuple[i
                           f"(the factor is rescaled so micro x factor x world stays) or keep_factor")
     # the back end that wrote the checkpoint's files decides (DeepSpeed: per-rank shards, refused); a hand-made
     # manifest names none
-    writer = manifest.backend if manifest.backend in backends.NAMES else cfg.distributed.backend
+    writer = manifest.backend if manifest.backend in backends.names() else cfg.distributed.backend
     backends.get(writer).check_world_change(what, old)
     per_world = cfg.accumulation.global_batch is not None  # the config's factor already scales as 1 / world
     if policy == "keep_global_batch" and not per_world:

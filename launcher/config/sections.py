@@ -222,7 +222,7 @@ def _with_backend_options(cls):
 @_with_backend_options
 class DistributedConfig(Section):
     SECTION: ClassVar[str] = "distributed"
-    backend: str = key("ddp", train=True, choices=backends.NAMES, doc="`ddp`, `deepspeed` or `fsdp`")
+    backend: str = key("ddp", train=True, choices=backends.names(), doc="`ddp`, `deepspeed` or `fsdp`")
     # the world size is not hashed: resuming on another one has its own policy, checkpoint.on_world_change
     nproc_per_node: int = key(1, train=False, check=at_least(1), doc="workers per node")
     nnodes: int = key(1, train=False, check=at_least(1), doc="nodes")

@@ -32,9 +32,9 @@ def test_registry_names_are_the_config_choices():
     from launcher.backends.base import LauncherBackend
     from launcher.config import SCHEMA
 
-    assert backends.NAMES == SCHEMA["distributed"]["backend"].choices
-    assert SCHEMA["distributed"]["backend"].default == backends.NAMES[0]
-    for name in backends.NAMES:
+    assert backends.names() == SCHEMA["distributed"]["backend"].choices
+    assert SCHEMA["distributed"]["backend"].default == backends.names()[0]
+    for name in backends.names():
         backend = backends.get(name)
         assert isinstance(backend, LauncherBackend) and backend.name == name
 
@@ -83,7 +83,7 @@ def _name_comparisons(tree: ast.AST, names: set[str]) -> list[int]:
 def test_no_back_end_branch_outside_the_backends():
     from launcher import backends
 
-    names = set(backends.NAMES)
+    names = set(backends.names())
     offenders = []
     for path in sorted(pathlib.Path(ROOT, "launcher").rglob("*.py")):
         if "backends" in path.relative_to(ROOT).parts:

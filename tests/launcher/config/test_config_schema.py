@@ -209,7 +209,6 @@ ADDED_BACKEND = '''if True:
             raise NotImplementedError
 
     backends._BACKENDS["minimal"] = MinimalLauncherBackend()  # the registry line
-    backends.NAMES = tuple(backends._BACKENDS)
 
     from launcher.config import load_config, reference
     from launcher.config.json_schema import config_schema
