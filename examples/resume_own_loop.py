@@ -60,7 +60,7 @@ def train(stop_at_step=None, saved=None) -> dict:
 
 uninterrupted = train()
 stopped = train(stop_at_step=15)  # epoch 0 is 12 steps (12 micro-batches, factor 1); epoch 1 has factor 2
-print(f"stopped at epoch {stopped['engine']['epoch']}, micro-batch {stopped['engine']['micro_batch']}")
+print(f"stopped at epoch {stopped['engine']['epoch_index']}, micro-batch {stopped['engine']['micro_in_epoch']}")
 resumed = train(saved=stopped)
 print(f"the resumed run loaded {CountingDataset.loaded} samples")
 same = all(torch.equal(resumed["model"][name], value) for name, value in uninterrupted["model"].items())

@@ -117,7 +117,7 @@ def test_the_own_loop_excerpts_are_lines_of_the_example_that_runs():
     for page in (ROOT / "README.md", ROOT / "docs" / "guide.md"):
         text = page.read_text()
         assert "Runnable as `torchrun --nproc-per-node 2 examples/own_loop.py`; the heart of it:" in text, page
-        (code,) = _python_blocks(page)
+        code = _python_blocks(page)[0]  # the page's first block (guide.md's second: the backend= example below)
         missing = [line for line in code.splitlines() if line.strip() and line.strip() not in example]
         assert not missing, f"{page.name}: lines not in examples/own_loop.py: {missing}"
 
@@ -291,10 +291,29 @@ def test_the_yaml_examples_pass_accum_sched_check(tmp_path, monkeypatch, capsys)
     assert not refused, "\n".join(refused)
 
 
+def test_the_guides_backend_example_runs_as_written(tmp_path):
+    """docs/guide.md's second block: a back end built by hand and given as backend=; {0: 1, 1: 2} over two epochs
+    of 5 micro-batches is 5 + 3 optimizer steps."""
+    code = _python_blocks(ROOT / "docs" / "guide.md")[1]
+    assert "backend=backend" in code
+    assert _printed(_run_example(code, tmp_path)) == ["optimizer steps: 8"]
+
+
+@pytest.mark.parametrize("page,example", [("transformers.md", "hf_trainer.py"),
+                                          ("accelerate.md", "accelerate_loop.py")])
+def test_the_hugging_face_excerpts_are_lines_of_the_examples_that_run(page, example):
+    """docs/transformers.md and docs/accelerate.md show the heart of an examples/ file (tests/accum_sched/
+    test_transformers.py and test_accelerate.py run both files under torchrun): every line shown is one of its."""
+    assert f"examples/{example}" in (ROOT / "docs" / page).read_text()
+    assert not _excerpt_lines_missing(ROOT / "docs" / page, ROOT / "examples" / example)
+
+
 # Every ```python block of the documentation and the test above that runs it (or checks it line by line against the
 # example file that one runs): a block added to a page must be added here, with its test.
 PYTHON_BLOCKS = {
-    "README.md": 1, "guide.md": 1,  # examples/own_loop.py's excerpt (tests/test_examples.py runs the file)
+    "README.md": 1, "guide.md": 2,  # examples/own_loop.py's excerpt (tests/test_examples.py runs the file); guide.md's
+    # second block is the backend= script
+    "transformers.md": 1, "accelerate.md": 1,  # excerpts of examples/hf_trainer.py, examples/accelerate_loop.py
     "lightning.md": 1, "data.md": 1, "adaptive.md": 1, "fsdp.md": 1, "deepspeed.md": 1, "training.md": 1,
     "hf.md": 1,  # whole scripts
     "resume.md": 1, "backends.md": 1,  # excerpts of examples/resume_own_loop.py, examples/drive_a_backend.py
