@@ -274,7 +274,7 @@ class AccumulationTrainer(Trainer):
         saved = torch.load(path, weights_only=True)
         self._resume_state = saved["engine"]
         self._windows_in_epoch = int(saved["windows_in_epoch"])
-        return int(saved["engine"]["epoch"]), self._windows_in_epoch
+        return int(saved["engine"]["epoch_index"]), self._windows_in_epoch
 
 
 def _check_arguments(trainer: AccumulationTrainer) -> None:
