@@ -110,6 +110,42 @@ def guard_worker(environ=os.environ, prctl=None) -> bool:
     return True
 
 
+def disposition(pid: int, signum: int) -> str | None:
+    """``"ignored"``, ``"caught"`` or ``"default"``: what process ``pid`` does with ``signum`` now (its SigIgn and
+    SigCgt masks in /proc); None when it cannot be read (gone, or no /proc)."""
+    masks = {}
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith(("SigIgn:", "SigCgt:")):
+                    masks[line[:6]] = int(line.split()[1], 16) >> (signum - 1) & 1
+    except (OSError, ValueError):
+        return None
+    if len(masks) < 2:
+        return None
+    return "ignored" if masks["SigIgn"] else "caught" if masks["SigCgt"] else "default"
+
+
+def pass_on_late(late: set[int], pids: list[int], signum: int) -> list[int]:
+    """A Ctrl-C that came while workers still imported torch (ignoring SIGINT, as torchrun started them: see the
+    module's doc) would be lost. Remember each of ``pids`` that ignores ``signum`` in ``late``, and send it once to
+    each remembered one that now catches it (its stop handler is in place); returns those sent to. Never twice: a
+    second SIGINT ends a worker at once."""
+    sent = []
+    for pid in pids:
+        state = disposition(pid, signum)
+        if state == "ignored":
+            late.add(pid)
+        elif state == "caught" and pid in late:
+            late.discard(pid)
+            try:
+                os.kill(pid, signum)
+                sent.append(pid)
+            except ProcessLookupError:
+                pass
+    return sent
+
+
 def call(argv: list[str], env: dict) -> tuple[int, list[int]]:
     """Run ``argv`` (torchrun) to its end, forwarding SIGTERM and SIGINT to its workers; torchrun gets SIGTERM if
     this process dies (SIGKILL included) and inherits the run directory's lock (launcher/launch/rundir.py). Returns
@@ -125,9 +161,14 @@ def call(argv: list[str], env: dict) -> tuple[int, list[int]]:
     proc = subprocess.Popen(argv, env=env, pass_fds=rundir.held(), preexec_fn=in_torchrun)
     received: list[int] = []
 
+    late: set[int] = set()  # workers that ignored the Ctrl-C: it is passed on once they catch SIGINT
+
     def forward(signum, frame):
         received.append(signum)
-        for pid in worker_pids(proc.pid) or [proc.pid]:
+        pids = worker_pids(proc.pid)
+        if signum == signal.SIGINT:
+            pass_on_late(late, pids, signum)
+        for pid in pids or [proc.pid]:
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:
@@ -135,7 +176,13 @@ def call(argv: list[str], env: dict) -> tuple[int, list[int]]:
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
-        status = proc.wait()
+        while True:
+            try:  # a wait the signal handler cannot extend: after a Ctrl-C, look twice a second for workers that
+                status = proc.wait(timeout=0.5)  # have not installed their handler yet
+                break
+            except subprocess.TimeoutExpired:
+                if signal.SIGINT in received:
+                    pass_on_late(late, worker_pids(proc.pid), signal.SIGINT)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -20,9 +20,19 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("trainer")
-    return ref.launch("transformers_tasks.py", out, ("accum", "resumed", "callback"))
+def out(tmp_path_factory):
+    return tmp_path_factory.mktemp("trainer")
+
+
+@pytest.fixture(scope="module")
+def results(out):
+    return ref.launch("transformers_tasks.py", out, ("accum",))
+
+
+@pytest.fixture(scope="module")
+def later(out, results):
+    """The resume (from the checkpoint the "accum" run saved in ``out``) and the plain Trainer: the slow tier."""
+    return ref.launch("transformers_tasks.py", out, ("resumed", "callback"))
 
 
 @pytest.fixture(scope="module")
@@ -50,20 +60,22 @@ def test_one_gradient_allreduce_per_optimizer_step(results):
         assert got["allreduces"] == got["steps"] == 13
 
 
-def test_resume_mid_epoch_ends_at_the_uninterrupted_weights(results):
+@pytest.mark.slow
+def test_resume_mid_epoch_ends_at_the_uninterrupted_weights(results, later):
     for rank in range(ref.WORLD):
-        resumed, full = results["resumed"][rank], results["accum"][rank]
+        resumed, full = later["resumed"][rank], results["accum"][rank]
         assert resumed["steps"] == full["steps"] == 13
         assert resumed["allreduces"] == 13 - 9  # it trained only what the checkpoint had not
         for name, p in full["params"].items():
             torch.testing.assert_close(resumed["params"][name], p, atol=1e-6, rtol=1e-5)
 
 
-def test_plain_trainer_with_a_factor_callback_misses_the_reference(results, reference):
+@pytest.mark.slow
+def test_plain_trainer_with_a_factor_callback_misses_the_reference(later, reference):
     """The check above can fail: the Trainer whose gradient_accumulation_steps a callback mutates per epoch plans
     its LR over the first epoch's factor (21 steps where 13 are taken) and ends far from the reference."""
     params, _ = reference
-    for got in results["callback"]:
+    for got in later["callback"]:
         assert ref.gap(got["params"], params) > 1e-3
         assert got["total"] == 21 != got["steps"]
 

@@ -138,3 +138,58 @@ def test_sigint_to_the_process_group_commits_the_window_and_exits_130(tmp_path):
         last = json.loads(f.read().splitlines()[-1])["step"]
     assert manifest.step >= last  # the stop's checkpoint holds every step logged
     assert not _processes_naming(str(tmp_path)), "a process outlived the stop"
+
+
+@pytest.mark.slow
+@linux_only
+def test_sigint_while_the_workers_import_torch_still_stops_the_run(tmp_path):
+    """Ctrl-C about a second after the start, while the workers still import torch (and, as torchrun started them,
+    ignore SIGINT): the command sends the stop again to each worker that ignored it until its handler is in place,
+    so the run stops at its first step with a checkpoint and exit 130 instead of training on (10000 epochs)."""
+    out = tmp_path / "out"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(CONFIG.format(out=out, epochs=10000))
+    run = subprocess.Popen([sys.executable, "-m", "launcher", "run", str(cfg)], cwd=ROOT, env=_env(),
+                           start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not _processes_naming(str(tmp_path), workers_only=True):
+            time.sleep(0.05)
+        assert _processes_naming(str(tmp_path), workers_only=True), "no worker started"
+        os.killpg(run.pid, signal.SIGINT)
+        stdout, stderr = run.communicate(timeout=240)
+    finally:
+        _kill_all([run.pid, *_processes_naming(str(tmp_path))])
+    assert run.returncode == 130, stderr[-4000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-4000:]
+    checkpoints = store.list_checkpoints(str(out / "checkpoints"))
+    assert checkpoints and store.verify(checkpoints[-1][1])[1] is None, stderr[-4000:]
+    assert not _processes_naming(str(tmp_path)), "a process outlived the stop"
+
+
+def test_a_late_ctrl_c_is_passed_on_once_the_handler_is_in_place():
+    """The re-send's choice, on real processes: one that ignores SIGINT is remembered, not sent to; once it catches
+    SIGINT it gets it, once; one that caught it all along (and got it the first time) is left alone."""
+    script = ("import signal, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print(1, flush=True); "
+              "sys.stdin.readline(); signal.signal(signal.SIGINT, lambda *a: print('got', flush=True)); "
+              "print(2, flush=True); time.sleep(60)")
+    late_worker = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   text=True)
+    catching = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, "
+                                 "lambda *a: None); print(1, flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    try:
+        late_worker.stdout.readline(), catching.stdout.readline()
+        assert forward.disposition(late_worker.pid, signal.SIGINT) == "ignored"
+        assert forward.disposition(catching.pid, signal.SIGINT) == "caught"
+        late: set[int] = set()
+        assert forward.pass_on_late(late, [late_worker.pid, catching.pid], signal.SIGINT) == [] and late == {
+            late_worker.pid}
+        late_worker.stdin.write("\n")
+        late_worker.stdin.flush()
+        assert late_worker.stdout.readline() == "2\n"
+        assert forward.pass_on_late(late, [late_worker.pid, catching.pid], signal.SIGINT) == [late_worker.pid]
+        assert late_worker.stdout.readline() == "got\n" and late == set()
+        assert forward.pass_on_late(late, [late_worker.pid, catching.pid], signal.SIGINT) == []  # never twice
+    finally:
+        late_worker.kill(), catching.kill()
+        late_worker.wait(), catching.wait()
