@@ -279,7 +279,10 @@ def test_sigterm_mid_epoch_stops_inside_the_window_and_resume_equals_uninterrupt
     # the open window and the stream positions are per worker: another world size is refused before launch
     other = accum("run", cfg, "--resume", "--nproc-per-node", "3", "--set",
                   "checkpoint.on_world_change=keep_factor", expect=2)
-    assert other.stderr.startswith("error: checkpoint.on_world_change: ") and len(other.stderr.splitlines()) == 1
+    # on a machine with fewer than 3 cores the oversubscription warning (issue 37) comes first; then one error line
+    lines = [line for line in other.stderr.splitlines()
+             if not line.startswith("warning: distributed.nproc_per_node is 3 but this machine has")]
+    assert lines[0].startswith("error: checkpoint.on_world_change: ") and len(lines) == 1, other.stderr
     accum("run", cfg, "--resume", env={"RECORD_DIR": str(tmp_path / "rec")})
     for a, b in zip(per_rank_params(tmp_path / "rec", 2), per_rank_params(tmp_path / "ref-rec", 2)):
         for k in a:
