@@ -77,14 +77,21 @@ def test_a_worker_whose_torchrun_is_gone_ends_itself():
 
 
 @linux_only
+def _start_long_run(tmp_path, output=subprocess.PIPE) -> tuple[subprocess.Popen, object, object]:
+    """`accum-sched run` of a 10000-epoch config in a session of its own (its process group, as a terminal's
+    foreground job would be): (the process, its output_dir, the config path)."""
+    out, cfg = tmp_path / "out", tmp_path / "cfg.yaml"
+    cfg.write_text(CONFIG.format(out=out, epochs=10000))
+    run = subprocess.Popen([sys.executable, "-m", "launcher", "run", str(cfg)], cwd=ROOT, env=_env(),
+                           start_new_session=True, stdout=output, stderr=output, text=True)
+    return run, out, cfg
+
+
 def test_sigkill_of_the_process_group_while_workers_import_torch_leaves_no_worker(tmp_path):
     """The issue's probe: `setsid accum-sched run` and a `kill -9 -- -PGID` as soon as the workers exist (they are
     then importing torch, before any request of their own): none of them may live on, orphaned, retrying its
     TCPStore for minutes outside the directory's lock."""
-    cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(CONFIG.format(out=tmp_path / "out", epochs=10000))
-    run = subprocess.Popen([sys.executable, "-m", "launcher", "run", str(cfg)], cwd=ROOT, env=_env(),
-                           start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run, _, _ = _start_long_run(tmp_path, subprocess.DEVNULL)
     workers = []
     try:
         deadline = time.monotonic() + 180
@@ -108,11 +115,7 @@ def test_sigint_to_the_process_group_commits_the_window_and_exits_130(tmp_path):
     """Ctrl-C: SIGINT to every process of the command's group (accum-sched run and torchrun). Before: 82 lines of
     KeyboardInterrupt tracebacks, exit 1, no checkpoint, no hint. Now as SIGTERM: the open window committed, one
     line naming `--resume`, exit 130, and the resume continues from that checkpoint."""
-    out = tmp_path / "out"
-    cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(CONFIG.format(out=out, epochs=10000))
-    run = subprocess.Popen([sys.executable, "-m", "launcher", "run", str(cfg)], cwd=ROOT, env=_env(),
-                           start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run, out, cfg = _start_long_run(tmp_path)
     try:
         deadline = time.monotonic() + 240
         metrics = out / "metrics.jsonl"
@@ -146,11 +149,7 @@ def test_sigint_while_the_workers_import_torch_still_stops_the_run(tmp_path):
     """Ctrl-C about a second after the start, while the workers still import torch (and, as torchrun started them,
     ignore SIGINT): the command sends the stop again to each worker that ignored it until its handler is in place,
     so the run stops at its first step with a checkpoint and exit 130 instead of training on (10000 epochs)."""
-    out = tmp_path / "out"
-    cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(CONFIG.format(out=out, epochs=10000))
-    run = subprocess.Popen([sys.executable, "-m", "launcher", "run", str(cfg)], cwd=ROOT, env=_env(),
-                           start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run, out, cfg = _start_long_run(tmp_path)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not _processes_naming(str(tmp_path), workers_only=True):
