@@ -92,9 +92,14 @@ def test_refused_settings_say_what_to_use(tmp_path, setting, words):
 
     if "deepspeed" in setting:
         pytest.importorskip("deepspeed")
-    with pytest.raises(ValueError) as caught:
-        AccumulationTrainer(model=ref.make_model(), args=arguments(str(tmp_path), **setting),
-                            train_dataset=ref.Sequences(), data_collator=ref.collate, accumulation_schedule={1: 2})
+    saved = dict(os.environ)  # TrainingArguments(deepspeed=...) sets ACCELERATE_* variables in this process, which
+    try:  # every later launch in this pytest run would inherit (its Trainer would then build a DeepSpeed engine)
+        with pytest.raises(ValueError) as caught:
+            AccumulationTrainer(model=ref.make_model(), args=arguments(str(tmp_path), **setting),
+                                train_dataset=ref.Sequences(), data_collator=ref.collate, accumulation_schedule={1: 2})
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     message = str(caught.value)
     assert "\n" not in message and all(word in message for word in words), message
 
