@@ -51,6 +51,18 @@ def _engine(case, world, **kwargs):
                                      max_grad_norm=case.clip, **kwargs)
 
 
+def _resumed_engine(case, world, stopped_engine, stopped_model, **kwargs):
+    """A new model and engine holding what a stopped one saved (its state_dict, the model's, the optimizer's), as a
+    resume in a new process would."""
+    state = {"engine": stopped_engine.state_dict(), "model": stopped_model.state_dict(),
+             "optimizer": stopped_engine.backend.optimizer.state_dict()}
+    model, engine = _engine(case, world, **kwargs)
+    model.load_state_dict(state["model"])
+    engine.backend.optimizer.load_state_dict(state["optimizer"])
+    engine.load_state_dict(state["engine"])
+    return model, engine
+
+
 def _counted(case, rank, world, sized=False, **kwargs):
     model, engine = _engine(case, world, **kwargs)
     with CollectiveCounter() as colls:
@@ -87,12 +99,7 @@ def _ranks(rank: int, world: int, out_dir: str) -> None:
             engine.on_step(lambda info: engine.request_stop() if info.step == 6 else None)
             _train(STOP, rank, world, engine)
             stopped = [engine.epoch_index, engine.micro_in_epoch, engine.window_open]
-            state = {"engine": engine.state_dict(), "model": model.state_dict(),
-                     "optimizer": engine.backend.optimizer.state_dict()}
-            model, engine = _engine(STOP, world, stop_at="micro_batch")
-            model.load_state_dict(state["model"])
-            engine.backend.optimizer.load_state_dict(state["optimizer"])
-            engine.load_state_dict(state["engine"])
+            model, engine = _resumed_engine(STOP, world, engine, model, stop_at="micro_batch")
             _train(STOP, rank, world, engine, start=engine.epoch_index)  # each stream from its start: skip=True
             torch.save(cases.params(model), os.path.join(out_dir, f"stop-{rank}.pt"))
             return {"stopped": stopped}
@@ -198,12 +205,7 @@ def _uneven_after_resume(rank: int, world: int, out_dir: str) -> None:
         model, engine = _engine(UNEVEN, world, uneven="error", stop_at="micro_batch")
         engine.on_step(lambda info: engine.request_stop() if info.step == 1 else None)
         _train(UNEVEN, rank, world, engine)
-        state = {"engine": engine.state_dict(), "model": model.state_dict(),
-                 "optimizer": engine.backend.optimizer.state_dict()}
-        model, engine = _engine(UNEVEN, world, uneven="error")
-        model.load_state_dict(state["model"])
-        engine.backend.optimizer.load_state_dict(state["optimizer"])
-        engine.load_state_dict(state["engine"])
+        model, engine = _resumed_engine(UNEVEN, world, engine, model, uneven="error")
         rest = iter(cases.rank_batches(UNEVEN, rank, 0)[engine.micro_in_epoch:])
         engine.train_epoch((batch for batch in rest), cases.loss_fn_for(UNEVEN.kind), 0, skip=False)
 
