@@ -190,7 +190,7 @@ distributed: {{backend: ddp, nproc_per_node: 2}}
 checkpoint: {{every_n_steps: 1000, keep_last: 3}}
 logging: {{progress: plain, tensorboard: "off"}}
 """
-# 64 samples, 2 workers x 2: 16 micro-batches per rank per epoch. Epoch 1 is one window of 16 (6.4 s at 0.4 s a
+# 64 samples, 2 workers x 2: 16 micro-batches per rank per epoch. Epoch 1 is one window of 16 (9.6 s at 0.6 s a
 # micro-batch); after 64 tokens (= samples) the factor is 4. Token-keyed with an LR schedule: planning counts them.
 
 
@@ -225,13 +225,13 @@ def test_sigterm_to_accum_sched_run_commits_the_open_window_and_resume_equals_un
 
     loads_a, started = tmp_path / "loads-a", tmp_path / "started"
     loads_a.mkdir()
-    proc = launch(tmp_path, "run", env={"LOADS_DIR": str(loads_a), "SLOW_S": "0.4", "STARTED": str(started)},
+    proc = launch(tmp_path, "run", env={"LOADS_DIR": str(loads_a), "SLOW_S": "0.6", "STARTED": str(started)},
                   wait=False)
     deadline = time.monotonic() + 300
     while not started.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
         time.sleep(0.02)
-    time.sleep(1.0)  # 1 s into the first window (16 micro-batches x 0.4 s)
+    time.sleep(1.5)  # 1.5 s into the first window (16 micro-batches x 0.6 s)
     proc.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
     pattern = str(tmp_path / "run" / "checkpoints" / "step-00000000-mb*")
@@ -243,7 +243,7 @@ def test_sigterm_to_accum_sched_run_commits_the_open_window_and_resume_equals_un
     exited = time.monotonic() - signalled
     out = proc.communicate()[0]
     assert proc.returncode == 75, out[-4000:]  # documented: stopped by a signal with a checkpoint committed
-    assert committed is not None and committed < 4.0, (committed, out[-3000:])  # well before the window's end
+    assert committed is not None and committed < 6.0, (committed, out[-3000:])  # before the window's end (8 s to go)
     assert exited < 12.0, exited  # measured ~2-4 s idle (torchrun's own shutdown follows the workers' exit)
     (ckpt,) = glob.glob(pattern)
     stop = int(ckpt.rsplit("mb", 1)[1])
