@@ -231,7 +231,7 @@ def _check_invariant_sampler(cfg: Config) -> None:
     if cfg.data.sampler != "invariant":
         return
     field, acc = "data.sampler", cfg.accumulation
-    if cfg.distributed.backend != "ddp":  # ddp covers one process too (launcher/backends/single.py)
+    if not backends.get(cfg.distributed.backend).invariant_sampler:
         raise ConfigError(field, f"invariant is not supported with distributed.backend {cfg.distributed.backend} "
                           "(tested with ddp and one process only)", "use distributed.backend: ddp, or "
                           "data.sampler: distributed")
