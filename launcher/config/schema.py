@@ -233,7 +233,7 @@ def _check_invariant_sampler(cfg: Config) -> None:
     field, acc = "data.sampler", cfg.accumulation
     if not backends.get(cfg.distributed.backend).invariant_sampler:
         raise ConfigError(field, f"invariant is not supported with distributed.backend {cfg.distributed.backend} "
-                          "(tested with ddp and one process only)", "use distributed.backend: ddp, or "
+                          "(tested with ddp, fsdp and one process)", "use distributed.backend: ddp or fsdp, or "
                           "data.sampler: distributed")
     if acc.adaptive is not None or acc.schedule_from is not None or acc.unit != "epoch":
         raise ConfigError(field, "invariant lays out an epoch's windows before it starts, so it needs factors keyed "

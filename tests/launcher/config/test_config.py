@@ -65,7 +65,6 @@ BAD = [
     ("set-type", CONTRACT, ["run.epochs=many"], "run.epochs"),
     ("nproc-zero", CONTRACT, ["distributed.nproc_per_node=0"], "distributed.nproc_per_node"),
     ("sampler-name", CONTRACT, ["data.sampler=invarient"], "data.sampler"),
-    ("invariant-fsdp", CONTRACT, ["data.sampler=invariant", "distributed.backend=fsdp"], "data.sampler"),
     ("invariant-deepspeed", CONTRACT, ["data.sampler=invariant", "distributed.backend=deepspeed",
                                        "distributed.deepspeed_config={}"], "data.sampler"),
     ("invariant-step-unit", CONTRACT, ["data.sampler=invariant", "accumulation.unit=step"], "data.sampler"),

@@ -30,7 +30,7 @@ data: {{micro_batch_size: 4, shuffle: true, sampler: invariant}}
 accumulation: {{global_batch: 24}}
 optimizer: {{name: sgd, lr: 0.1, momentum: 0.9}}
 lr_scheduler: null
-distributed: {{backend: ddp, nproc_per_node: {world}}}
+distributed: {{backend: {backend}, nproc_per_node: {world}}}
 checkpoint: {{every_n_steps: 2}}
 logging: {{progress: plain, tensorboard: "off"}}
 """
@@ -47,10 +47,10 @@ def accum(*args, fault=None, expect=0):
     return proc
 
 
-def write_config(tmp_path, world: int) -> tuple[str, str]:
+def write_config(tmp_path, world: int, backend: str = "ddp") -> tuple[str, str]:
     run = str(tmp_path / f"run{world}")
     path = tmp_path / f"w{world}.yaml"
-    path.write_text(CONFIG.format(out=run, world=world))
+    path.write_text(CONFIG.format(out=run, world=world, backend=backend))
     return str(path), run
 
 
@@ -89,6 +89,13 @@ def test_every_world_size_trains_the_reference_steps(world, tmp_path):
     cfg, run = write_config(tmp_path, world)
     accum("run", cfg)
     check_run(run, world)
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_workers_trains_the_reference_steps(tmp_path):
+    cfg, run = write_config(tmp_path, 2, "fsdp, fsdp: {wrap: [Linear]}")
+    accum("run", cfg)
+    check_run(run, 2)
 
 
 @pytest.mark.slow
