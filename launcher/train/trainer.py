@@ -217,8 +217,10 @@ class Trainer:
         cfg, task = self.cfg, self.task
         if streams.is_stream(task.dataset):
             if cfg.data.sampler == "invariant":
-                raise ConfigError("data.sampler", "invariant needs a map-style dataset (it slices each epoch's "
+                err = ConfigError("data.sampler", "invariant needs a map-style dataset (it slices each epoch's "
                                   "order), but the task's dataset is a stream", "set data.sampler: distributed")
+                err.every_rank = True  # launcher/worker.py: rank 0 says it for all
+                raise err
             return streams.build(task, cfg, self.rank, self.world, pin_memory=self.device.type == "cuda")
         if cfg.data.sampler == "invariant":  # accum_sched.invariant; the factors are set once known (__init__)
             sampler = InvariantBatchSampler(len(task.dataset), self.world, self.rank, cfg.data.micro_batch_size,

@@ -119,3 +119,14 @@ def test_too_small_asks_only_for_one_sample_under_invariant():
     assert "data.micro_batch_size" in str(too_small("t", 3, 4, 8, True))
     assert too_small("t", 3, 4, 8, False, "invariant") is None
     assert "0 samples" in str(too_small("t", 0, 4, 8, False, "invariant"))
+
+
+@pytest.mark.slow
+def test_a_stream_is_refused_by_the_workers_in_one_line(tmp_path):
+    cfg, run = write_config(tmp_path, 2)
+    done = accum("run", cfg, "--set", "task.target=stream_tasks:numbers", "--set", "task.args={length: 40}",
+                 expect=2)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: data.sampler: invariant needs a map-style dataset (it slices each epoch's order), but "
+                      "the task's dataset is a stream; set data.sampler: distributed"], done.stderr[-4000:]
+    assert not os.path.exists(os.path.join(run, "model.pt"))
