@@ -119,13 +119,14 @@ def _check(world: int, tmp_path, backend: str = "ddp") -> None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_three_ranks_match_the_rank_free_reference(tmp_path):
-    _check(3, tmp_path)
+def test_two_ranks_match_the_rank_free_reference(tmp_path):
+    """The fast tier's: 2 ranks at factor 3 split the partial window 3 + 2, rank 1's last micro-batch empty."""
+    _check(2, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2])
-def test_one_and_two_ranks_match_the_rank_free_reference(world, tmp_path):
+@pytest.mark.parametrize("world", [1, 3])
+def test_one_and_three_ranks_match_the_rank_free_reference(world, tmp_path):
     _check(world, tmp_path)
 
 
