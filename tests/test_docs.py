@@ -326,8 +326,8 @@ PYTHON_BLOCKS = {
     "README.md": 1, "guide.md": 2,  # examples/own_loop.py's excerpt (tests/test_examples.py runs the file); guide.md's
     # second block is the backend= script
     "transformers.md": 1, "accelerate.md": 1,  # excerpts of examples/hf_trainer.py, examples/accelerate_loop.py
-    "lightning.md": 1, "data.md": 1, "adaptive.md": 1, "fsdp.md": 1, "deepspeed.md": 1, "training.md": 1,
-    "hf.md": 1,  # whole scripts
+    "lightning.md": 1, "data.md": 2, "adaptive.md": 1, "fsdp.md": 1, "deepspeed.md": 1, "training.md": 1,
+    "hf.md": 1,  # whole scripts (data.md: the stream script and the invariant-sampler script)
     "resume.md": 1, "backends.md": 1,  # excerpts of examples/resume_own_loop.py, examples/drive_a_backend.py
 }
 
