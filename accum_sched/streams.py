@@ -111,6 +111,7 @@ class _Flags:
 
     def __init__(self, flags: torch.Tensor, group):
         self.flags = flags
+        self._values: list[int] | None = None  # the reduced flags, read once (a host tensor: no device sync)
         self.work = None if group is None else dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group,
                                                                async_op=True)
 
@@ -121,9 +122,12 @@ class _Flags:
 
     def ranges(self, slot: int) -> tuple[int, int]:
         """(the most, the least) ranks' has-flag for read ``slot``: (1, 1) all have it, (1, 0) some, (0, 0) none."""
-        self.wait()
-        k = self.flags.numel() // 2
-        return int(self.flags[slot]), -int(self.flags[k + slot])
+        values = self._values
+        if values is None:  # one read of the block's flags, not two tensor reads per question (two per micro-batch)
+            self.wait()
+            values = self._values = self.flags.tolist()
+        k = len(values) // 2
+        return values[slot], -values[k + slot]
 
 
 def has_length(loader) -> bool:

@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node 2 bench/ab.py [--model 1M] [--factors 1,4,8] [--rounds 16]
     torchrun --standalone --nproc_per_node 2 bench/ab.py --deepspeed 2     # engine + DeepSpeed vs DeepSpeed alone
     torchrun --standalone --nproc_per_node 2 bench/ab.py --factors 1,4 --baseline engine --variants compiled,engine2
+    torchrun --standalone --nproc_per_node 2 bench/ab.py --factors 1,4 --baseline engine --variants stream,engine2
 
 A finer instrument than bench/run.py for the engine's own overhead. Every variant shares the processes, the data
 and the machine's load. Each round trains one epoch of every variant per factor, interleaved **window by window**:
@@ -24,7 +25,11 @@ DDP variants: ``hand`` (baseline: plain DDP, no comm hook, no_sync off the bound
 ``engine_norm`` (``norm_every=1``: the norm and non-finite-gradient check at every step, taken in the comm hook),
 ``engine_nohook`` (``count_allreduce=False``: no comm hook; the window's numbers take one small all-reduce
 overlapping the last backward), ``hand_hook`` (the baseline with the library's counting comm hook, which wraps
-torch's Python allreduce hook: that one divides every bucket by the world size, one more pass). ``--deepspeed
+torch's Python allreduce hook: that one divides every bucket by the world size, one more pass), ``hand_sumhook``
+(the baseline with the least Python comm hook there is, a SUM all-reduce of the bucket and ``.then`` handing it
+back, the loss divided by the world size instead: what a Python hook costs by itself), ``stream`` / ``stream1``
+(``engine`` handed the same micro-batches as a generator without ``len()``: the stream path at read_ahead 4 / 1;
+with ``--baseline engine`` the ratios read the stream's end agreement against the sized loader). ``--deepspeed
 STAGE``: ``alone`` (baseline: DeepSpeed's own GAS, step() every micro-batch), ``alone2`` (the same again) and
 ``engine`` (accum_sched driving the same DeepSpeed configuration).
 
@@ -56,8 +61,8 @@ from workload import Workload, build_model, make_optimizer, rank_data, sample_lo
 class HandWritten:
     """The loop a user writes: no_sync off the boundary, mean loss divided by the window's size."""
 
-    def __init__(self, ddp, optimizer):
-        self.ddp, self.optimizer = ddp, optimizer
+    def __init__(self, ddp, optimizer, divide: int = 1):
+        self.ddp, self.optimizer, self.divide = ddp, optimizer, divide  # divide: what the reduction does not
 
     def start(self, loader, factor, epoch):
         self.batches = windowed(loader, factor)
@@ -66,7 +71,7 @@ class HandWritten:
         for _ in range(size):
             (x, y), micro_batches, boundary = next(self.batches)
             with contextlib.nullcontext() if boundary else self.ddp.no_sync():
-                (sample_losses(self.ddp, x, y).mean() / micro_batches).backward()
+                (sample_losses(self.ddp, x, y).mean() / (micro_batches * self.divide)).backward()
             if boundary:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -114,6 +119,23 @@ class Engine:
             raise RuntimeError("the engine yielded more micro-batches than the epoch has")
 
 
+class StreamEngine(Engine):
+    """The engine handed the same micro-batches as a generator (no ``len()``): its stream path, whose end the ranks
+    agree on as it comes (accum_sched/streams.py)."""
+
+    def start(self, loader, factor, epoch):
+        self.batches = self.engine.micro_batches((batch for batch in loader), epoch)
+
+
+def _reduced(fut):
+    return fut.value()[0]
+
+
+def sum_hook(process_group, bucket):
+    """The least a Python comm hook does: launch the bucket's SUM all-reduce, hand its one tensor back."""
+    return process_group.allreduce([bucket.buffer()]).get_future().then(_reduced)
+
+
 def _ds_engine(w: Workload, stage: int, factor: int):
     import deepspeed
 
@@ -148,13 +170,16 @@ def build_variant(name: str, args, w: Workload, schedule: dict):
             return Engine(AccumulationEngine(_ds_engine(w, args.deepspeed, 1), None, schedule,
                                              micro_batch_size=w.micro))
         raise SystemExit(f"--variants: unknown variant {name!r} with --deepspeed (alone2, engine)")
-    if name in ("hand", "hand2", "hand_hook"):
+    if name in ("hand", "hand2", "hand_hook", "hand_sumhook"):
         model = build_model(w.model)
         ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
         if name == "hand_hook":  # the same loop with the counting hook (torch's dividing Python hook inside)
             from accum_sched.backends.counting import CountingState, counting_allreduce
 
             ddp.register_comm_hook(CountingState(), counting_allreduce)
+        if name == "hand_sumhook":  # the bare cost of a Python comm hook: it sums, the loss carries 1 / world
+            ddp.register_comm_hook(ddp.process_group, sum_hook)
+            return HandWritten(ddp, make_optimizer(w, model.parameters()), divide=w.world)
         return HandWritten(ddp, make_optimizer(w, model.parameters()))
     if name in ENGINE_KWARGS or name == "compiled":
         model = build_model(w.model)
@@ -162,14 +187,16 @@ def build_variant(name: str, args, w: Workload, schedule: dict):
             from launcher.backends.compile import compile_module
 
             compile_module(model, {})
-        return Engine(AccumulationEngine(DDP(model, bucket_cap_mb=args.bucket_cap_mb),
-                                         make_optimizer(w, model.parameters()), schedule, micro_batch_size=w.micro,
-                                         **ENGINE_KWARGS.get(name, {})))
-    raise SystemExit(f"--variants: unknown variant {name!r} (hand2, hand_hook, compiled, {', '.join(ENGINE_KWARGS)})")
+        wrap = StreamEngine if name.startswith("stream") else Engine
+        return wrap(AccumulationEngine(DDP(model, bucket_cap_mb=args.bucket_cap_mb),
+                                       make_optimizer(w, model.parameters()), schedule, micro_batch_size=w.micro,
+                                       **ENGINE_KWARGS.get(name, {})))
+    raise SystemExit(f"--variants: unknown variant {name!r} (hand2, hand_hook, hand_sumhook, compiled, "
+                     f"{', '.join(ENGINE_KWARGS)})")
 
 
 ENGINE_KWARGS = {"engine": {}, "engine2": {}, "engine_norm": {"norm_every": 1},
-                 "engine_nohook": {"count_allreduce": False}}
+                 "engine_nohook": {"count_allreduce": False}, "stream": {}, "stream1": {"read_ahead": 1}}
 
 
 def run_epoch(variants: dict, loader, factor: int, epoch: int, batches: int, order: random.Random) -> tuple[dict, dict]:
