@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import paths
@@ -20,7 +21,7 @@ data: {{micro_batch_size: 8, shuffle: true}}
 accumulation: {{schedule: {{0: 1, 1: 2}}}}
 optimizer: {{name: adamw, lr: 0.01}}
 lr_scheduler: {{name: cosine, warmup_steps: 2}}
-distributed: {{backend: ddp, nproc_per_node: 2}}
+distributed: {{backend: {backend}, nproc_per_node: 2}}
 checkpoint: {{every_n_steps: 3, keep_last: 10, async: {background}}}
 logging: {{progress: plain, tensorboard: "off"}}
 """
@@ -28,9 +29,9 @@ logging: {{progress: plain, tensorboard: "off"}}
 # (epoch end), 9 and 12 (and epoch end)
 
 
-def accum(tmp, name, background, *extra, slow=0.0):
+def accum(tmp, name, background, *extra, slow=0.0, backend="ddp"):
     path = tmp / f"{name}.yaml"
-    path.write_text(CONFIG.format(out=tmp / name, background=str(background).lower()))
+    path.write_text(CONFIG.format(out=tmp / name, background=str(background).lower(), backend=backend))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FAULT_", "SLOW_"))}
     env.update(PYTHONPATH=paths.ROOT + os.pathsep + paths.TESTS, SLOW_WRITE_S=str(slow))
     proc = subprocess.run([sys.executable, "-m", "launcher", "run", str(path), *extra], cwd=paths.TESTS, env=env,
@@ -56,14 +57,32 @@ def assert_equal(a, b, where=""):
 
 
 def saved(run):
+    """The checkpoints' names and each one's trainer.pt (with its FSDP2 shards, consolidated, under "fsdp")."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     root = run / "checkpoints"
     names = sorted(os.listdir(root))
-    return names, {name: torch.load(root / name / "trainer.pt", weights_only=True) for name in names}
+    states = {}
+    for name in names:
+        states[name] = torch.load(root / name / "trainer.pt", weights_only=True)
+        if (root / name / "fsdp").is_dir():
+            dcp_to_torch_save(root / name / "fsdp", run / f"{name}-fsdp.pt")
+            states[name]["fsdp"] = torch.load(run / f"{name}-fsdp.pt", weights_only=False)  # written just now
+    return names, states
 
 
 def test_background_checkpoints_save_the_synchronous_states_and_resume_to_the_same_weights(tmp_path):
-    sync, _ = accum(tmp_path, "sync", False, slow=0.5)
-    background, text = accum(tmp_path, "background", True, slow=0.5)
+    check_background_against_sync(tmp_path, "ddp", {"model", "optimizer", "engine", "rng", "lr_scheduler"})
+
+
+@pytest.mark.slow
+def test_fsdp2_background_checkpoints_through_dcp_async_save_equal_the_synchronous_ones(tmp_path):
+    check_background_against_sync(tmp_path, "fsdp", {"fsdp", "engine", "rng", "lr_scheduler"})
+
+
+def check_background_against_sync(tmp_path, backend, parts):
+    sync, _ = accum(tmp_path, "sync", False, slow=0.5, backend=backend)
+    background, text = accum(tmp_path, "background", True, slow=0.5, backend=backend)
     assert "checkpoint.async: a checkpoint is due while" in text  # a save did run beside training
     assert text.count("checkpoint.async: a checkpoint is due while") == 1, text  # said once
     names, states = saved(sync)
@@ -71,10 +90,11 @@ def test_background_checkpoints_save_the_synchronous_states_and_resume_to_the_sa
     assert saved(background)[0] == names
     for name in names:  # model, optimizer, LR scheduler, engine position, every rank's RNG states
         state, other = states[name], saved(background)[1][name]
-        assert set(state) == set(other) >= {"model", "optimizer", "engine", "rng", "lr_scheduler"}
+        assert set(state) == set(other) >= parts
         assert_equal(state, other, name)
     final = torch.load(sync / "model.pt", weights_only=True)
     assert_equal(final, torch.load(background / "model.pt", weights_only=True), "model.pt")
     # continued from a background checkpoint (into its own run directory): the synchronous run's weights
-    resumed, _ = accum(tmp_path, "resumed", False, "--resume", str(background / "checkpoints" / "step-00000006"))
+    resumed, _ = accum(tmp_path, "resumed", False, "--resume", str(background / "checkpoints" / "step-00000006"),
+                       backend=backend)
     assert_equal(final, torch.load(resumed / "model.pt", weights_only=True), "resumed model.pt")
