@@ -98,3 +98,18 @@ def check_background_against_sync(tmp_path, backend, parts):
     resumed, _ = accum(tmp_path, "resumed", False, "--resume", str(background / "checkpoints" / "step-00000006"),
                        backend=backend)
     assert_equal(final, torch.load(resumed / "model.pt", weights_only=True), "resumed model.pt")
+
+
+def test_deepspeed_with_async_checkpoints_is_refused_in_one_line_before_launch(tmp_path):
+    config = tmp_path / "ds.yaml"
+    config.write_text(open(os.path.join(paths.ROOT, "configs", "deepspeed.yaml")).read())
+    env = {**os.environ, "PYTHONPATH": paths.ROOT}
+    for command in (["check"], ["run"]):
+        proc = subprocess.run([sys.executable, "-m", "launcher", *command, str(config), "--set",
+                               "checkpoint.async=true", "--set", f"run.output_dir={tmp_path / 'out'}"],
+                              cwd=paths.ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert proc.stderr.startswith("error: checkpoint.async: is not supported with distributed.backend: deepspeed")
+        assert "save_checkpoint writes its own shards synchronously" in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()  # nothing launched
