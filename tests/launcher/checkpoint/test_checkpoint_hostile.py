@@ -135,10 +135,13 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_full_disk_keeps_the_last_good_checkpoint_with_one_clear_line(tmp_path, small_disk):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_a_full_disk_keeps_the_last_good_checkpoint_with_one_clear_line(tmp_path, small_disk, background):
+    """With checkpoint.async the failed background write is raised on every rank at the next checkpoint."""
     ckpt = small_disk / "ckpt"
     cfg = tmp_path / "full.yaml"
-    cfg.write_text(FULL.format(out=tmp_path / "run", ckpt=ckpt))
+    cfg.write_text(FULL.format(out=tmp_path / "run", ckpt=ckpt)
+                   .replace("keep_last: 1}", f"keep_last: 1, async: {str(background).lower()}}}"))
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, "-m", "launcher", "run", str(cfg)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
