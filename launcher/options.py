@@ -30,14 +30,15 @@ MODEL_CONFIG = ConfigDict(extra="forbid", arbitrary_types_allowed=True)  # froze
 
 
 def key(default: Any = dataclasses.MISSING, *, doc: str, train: bool, choices: tuple | None = None, check=None,
-        hint: str = "", kind: str | None = None, model: type | None = None):
+        hint: str = "", kind: str | None = None, model: type | None = None, name: str | None = None):
     """A config key. ``default`` omitted: required. ``train``: the key is part of the checkpoint's config hash.
     ``check``: a constraint (:func:`at_least`, :func:`positive`) or ``check(value)`` returning a problem ("must be
     >= 1, got 0") or None; ``hint``: the error line's how-to-fix; ``kind`` "schedule": plain YAML data checked later
     with its unit; ``model``: the options type (an :func:`options` dataclass) a mapping-valued key is checked
-    against; the value stays the mapping as written (what the config hash and config.yaml hold)."""
+    against; the value stays the mapping as written (what the config hash and config.yaml hold). ``name``: the key's
+    name in the config where it is a Python keyword (``checkpoint.async``, declared as ``async_``)."""
     meta = {"doc": doc, "train": train, "choices": choices, "check": check, "hint": hint, "kind": kind,
-            "model": model}
+            "model": model, "name": name}
     if isinstance(default, (dict, list)):
         return dataclasses.field(default_factory=functools.partial(copy.deepcopy, default), metadata=meta)
     if isinstance(default, type):  # a nested section: its own defaults
@@ -61,6 +62,9 @@ class Section(Mapping):
     def __getattr__(self, name):  # only reached for keys the dataclass does not have
         if name.startswith("__"):
             raise AttributeError(name)
+        declared = {config_name(f): f.name for f in dataclasses.fields(self)}
+        if name in declared and declared[name] != name:  # getattr(section, "async")
+            return getattr(self, declared[name])
         raise AttributeError(f"config section {self.SECTION!r} has no key {name!r}")
 
     def __getitem__(self, name):
@@ -75,11 +79,16 @@ class Section(Mapping):
         return len(dataclasses.fields(self))
 
     def keys(self):
-        return [f.name for f in dataclasses.fields(self)]
+        return [config_name(f) for f in dataclasses.fields(self)]
 
     def to_dict(self) -> dict:
         """Plain data, nested sections included (what config.yaml holds)."""
         return {k: (v.to_dict() if isinstance(v, Section) else v) for k, v in ((k, getattr(self, k)) for k in self)}
+
+
+def config_name(field: dataclasses.Field) -> str:
+    """A key's name in the config: its attribute's, unless declared with another (a Python keyword: ``async``)."""
+    return field.metadata.get("name") or field.name
 
 
 # -- strict scalar types: what YAML gives, without pydantic's lax conversions -----------------------------------
@@ -194,7 +203,8 @@ def _declared_type(meta: dict, annotation):
         typed = functools.reduce(lambda a, b: a | b, [mapping if a is dict else _strict(a) for a in rest])
     else:
         typed = _strict(base)
-    described = pydantic.Field(description=meta.get("doc"), json_schema_extra={"x-hashed": bool(meta.get("train"))})
+    described = pydantic.Field(description=meta.get("doc"), json_schema_extra={"x-hashed": bool(meta.get("train"))},
+                               alias=meta.get("name"))
     check = meta.get("check")
     if isinstance(check, annotated_types.BaseMetadata):
         extras.append(check)

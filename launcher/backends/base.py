@@ -105,6 +105,13 @@ class LauncherBackend(ABC):
         """Write this rank's model and optimizer files into the checkpoint's temporary ``directory`` (only when
         :attr:`sharded_checkpoint`). Called by the Checkpointer on every rank at the same point."""
 
+    def stage_shards(self, setup: Setup, directory: str, group):
+        """checkpoint.async: copy this rank's shards to host memory now and return a callable that writes them into
+        ``directory`` (from the background checkpoint thread, collective on ``group``). This default writes them
+        now, synchronously, and returns a callable with nothing left to do."""
+        self.save_shards(setup, directory)
+        return lambda: None
+
     def load_shards(self, setup: Setup, directory: str) -> None:
         """Read what :meth:`save_shards` wrote into the live model and optimizer; raise CheckpointError naming
         the checkpoint (only when :attr:`sharded_checkpoint`). Called by the Checkpointer on every rank."""

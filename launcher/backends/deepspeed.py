@@ -411,6 +411,10 @@ class DeepSpeedBackend(LauncherBackend):
             raise ConfigError("run.compile", "is not supported with distributed.backend: deepspeed (its engine "
                               "wraps the module and drives the ZeRO partition hooks itself)",
                               "set run.compile: false, or use distributed.backend: ddp or fsdp")
+        if cfg.checkpoint.async_:  # engine.save_checkpoint is collective and writes while the ranks wait in it
+            raise ConfigError("checkpoint.async", "is not supported with distributed.backend: deepspeed (its "
+                              "engine.save_checkpoint writes its own shards synchronously, a collective on the "
+                              "training ranks)", "set checkpoint.async: false, or use distributed.backend: ddp or fsdp")
         acc = cfg.accumulation  # the key that asks for the noise scale, named in the error
         field = "accumulation.noise_scale" if acc.noise_scale else "accumulation.adaptive" if acc.adaptive else None
         if field is not None:

@@ -173,8 +173,11 @@ def shard(cfg, model, device):
 UNSTEPPED = "optimizer-unstepped"  # marker file: the optimizer had not stepped when the checkpoint was saved
 
 
-def save(model, optimizer, path: str) -> None:
-    """Every rank writes its shards of model and optimizer under ``path`` (DCP). Collective."""
+def save(model, optimizer, path: str, group=None, background: bool = False):
+    """Every rank writes its shards of model and optimizer under ``path`` (DCP). Collective. ``background``
+    (checkpoint.async): DCP's async_save copies them to host memory now and writes them in its own thread,
+    collective on ``group`` (a gloo group the training thread does not use); the returned callable waits for that
+    write (a synchronous save returns one with nothing left to do)."""
     # torch on the worker only: config validation imports this module on login nodes
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -186,7 +189,7 @@ def save(model, optimizer, path: str) -> None:
     # optimizer is emptied again, and a marker makes load() empty the loaded one (else the resumed run would take its
     # first step as the second).
     unstepped = not optimizer.state
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = [p for group_ in optimizer.param_groups for p in group_["params"]]
     held = [p.grad for p in params] if unstepped else []
     for p in params if unstepped else ():
         p.grad = None
@@ -195,11 +198,26 @@ def save(model, optimizer, path: str) -> None:
     finally:
         for p, grad in zip(params, held):
             p.grad = grad
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
+    state = {"model": model_state, "optimizer": optim_state}
+    written = None
+    if background:
+        alone = not dist.is_initialized() or dist.get_world_size() == 1  # no peers: no group, no collectives
+        written = dcp.async_save(state, checkpoint_id=path, process_group=group, no_dist=alone)  # staged on return
+    else:
+        dcp.save(state, checkpoint_id=path)
     if unstepped:
         optimizer.state.clear()
-        if dist.get_rank() == 0:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def done() -> None:
+        if written is not None:
+            written.result()
+        if unstepped and rank == 0:
             open(os.path.join(path, UNSTEPPED), "w").close()
+
+    if not background:
+        done()
+    return done
 
 
 def load(model, optimizer, path: str) -> None:
@@ -276,6 +294,9 @@ class FSDPBackend(LauncherBackend):
 
     def save_shards(self, setup: Setup, directory: str) -> None:
         save(setup.model, setup.optimizer, os.path.join(directory, DIRNAME))
+
+    def stage_shards(self, setup: Setup, directory: str, group):
+        return save(setup.model, setup.optimizer, os.path.join(directory, DIRNAME), group, background=True)
 
     def load_shards(self, setup: Setup, directory: str) -> None:
         try:  # DCP reads the shards, resharded for this world size

@@ -35,6 +35,7 @@ import torch
 from accum_sched import engine_state as engine_format
 from accum_sched.step_info import StepInfo
 from launcher.checkpoint import coordination, store
+from launcher.checkpoint.background import InFlight, host_copy
 from launcher.checkpoint.collective import CheckpointError, Ranks, must_see
 from launcher.checkpoint.data_position import (
     EpochLoader,
@@ -55,6 +56,7 @@ from launcher.checkpoint.parts import (
     own_optimizer_state,
     save_parts,
     save_shards,
+    stage_shards,
 )
 from launcher.checkpoint.pickle_scan import UnsafePickle, check_state_file, refusal
 from launcher.checkpoint.resume import ResumePlan, plan_resume
@@ -107,6 +109,7 @@ class Checkpointer:
         self._order: tuple[int, list[int]] | None = None  # (epoch, global sample order) re-dealt after a world change
         self._order_loader = None
         self._invariant_start: tuple[int, int] | None = None  # (epoch, sample position): data.sampler invariant
+        self.in_flight = InFlight(self.ranks.say)  # checkpoint.async: the save being written beside training
 
     @property
     def engine(self):
@@ -334,12 +337,16 @@ class Checkpointer:
     def save(self, reason: str) -> str:
         """Save where the engine stands (a step boundary, or inside a window at a stop) and return the checkpoint's
         path; ``reason`` is the manifest's (epoch, step, stop, preempt, request). Collective. If this position is
-        saved already (on_step saves at the stop step by itself) it only returns that checkpoint's path."""
+        saved already (on_step saves at the stop step by itself) it only returns that checkpoint's path, once it is
+        committed. Under checkpoint.async the step and epoch checkpoints are written in the background
+        (:meth:`_save_in_background`); a stop's is written here, after the one in flight."""
         engine = self.engine
         step = engine.optimizer_steps
         final = store.step_dir(self.root, step, engine.micro_in_epoch if engine.window_open else None)
         if final == self._last_saved:
+            self.wait()
             return final
+        self.in_flight.wait(next_save=True)  # at most one in flight
         tmp = final + ".tmp"
         # Three phases, each closed by a gather of every rank's error (if any): a rank that fails to write makes
         # all of them raise at once instead of leaving the others waiting in a barrier until the timeout.
@@ -347,24 +354,21 @@ class Checkpointer:
         # every rank sees what rank 0 made (else DeepSpeed shards land on a node's own disk), checked before any rank
         # enters DeepSpeed's collective save, which a rank that stopped alone would leave hanging
         self._together(f"preparing {tmp}", lambda: must_see(tmp))
+        if self.cfg.checkpoint.async_ and reason in ("step", "epoch"):
+            self._save_in_background(tmp, final, step, reason)
+            self._last_saved = final
+            return final
         rngs = self.ranks.gather(self.rng.snapshot(), f"gathering RNG states for {tmp}")
         engine_state = engine.state_dict()
         window = engine_state.pop("window", None)  # this rank's open window (a stop inside it): per rank
         stream = None if self.parts["stream"] is None else self.parts["stream"].state_at(engine.micro_in_epoch)
 
         def write():
-            hashed = {}  # what we write is hashed while it is written: no second read at commit
             save_shards(self.parts, tmp)
-            if window is not None:
-                rel = f"window-rank{self.rank}.pt"
-                hashed[rel] = self._write_file(os.path.join(tmp, rel), {"format": store.FORMAT, "rank": self.rank,
-                                                                         "window": window})
-            if stream is not None:
-                rel = f"stream-rank{self.rank}.pt"
-                hashed[rel] = self._write_file(os.path.join(tmp, rel), {"format": store.FORMAT, "rank": self.rank,
-                                                                         "stream": stream})
+            hashed = self._write_own_files(tmp, window, stream)  # hashed while written: no second read at commit
             if self.rank == 0:
-                hashed[store.STATE] = self._write_state(os.path.join(tmp, store.STATE), engine_state, rngs)
+                hashed[store.STATE] = self._write_state(os.path.join(tmp, store.STATE), self._state(engine_state),
+                                                        rngs)
             return hashed
 
         hashed = {}
@@ -380,6 +384,70 @@ class Checkpointer:
         self._failing_save(tmp, lambda: self._together(f"committing {final}", commit))
         self._last_saved = final
         return final
+
+    def _save_in_background(self, tmp: str, final: str, step: int, reason: str) -> None:
+        """checkpoint.async: copy the state to host memory here (FSDP2: DCP's async_save stages its shards), then
+        write, agree and commit in the background thread, on its own gloo group (launcher/checkpoint/background.py),
+        in the same phases as :meth:`save`: every rank writes its files, then rank 0 writes trainer.pt (with every
+        rank's RNG state, gathered in the first phase) and commits, the manifest last."""
+        engine = self.engine
+        engine_state = host_copy(engine.state_dict())  # no window: a stop inside one is saved synchronously
+        rng = host_copy(self.rng.snapshot())
+        stream = None if self.parts["stream"] is None else host_copy(self.parts["stream"].state_at(
+            engine.micro_in_epoch))
+        state = manifest = None
+        if self.rank == 0:
+            state = host_copy(self._state(engine_state))
+            manifest = self._manifest(step, engine_state, reason, False, stream is not None)
+        shards = stage_shards(self.parts, tmp, coordination.background_group())  # staged now, written by DCP
+        ranks = Ranks(self.rank, self.world, coordination.background_group())
+
+        def write():
+            if shards is not None:
+                shards()
+            return self._write_own_files(tmp, None, stream), rng
+
+        def job():
+            written = self._failing_save(tmp, lambda: ranks.together(f"writing {tmp}", write))
+            hashed = {rel: entry for entries, _ in written for rel, entry in entries.items()}
+
+            def commit():
+                if self.rank == 0:
+                    hashed[store.STATE] = self._write_state(os.path.join(tmp, store.STATE), state,
+                                                            [r for _, r in written])
+                    store.commit(tmp, final, manifest, hashed)
+                    store.rotate(self.root, self.cfg.checkpoint.keep_last)
+
+            self._failing_save(tmp, lambda: ranks.together(f"committing {final}", commit))
+
+        self.in_flight.submit(final, job)
+
+    def wait(self, failing: bool = False) -> None:
+        """Wait for the checkpoint in flight (checkpoint.async): the end of the run and a stop call this before
+        they go on. ``failing``: the run is failing already; the save's own error is said, not raised."""
+        try:
+            self.in_flight.wait()
+        except Exception as exc:  # noqa: BLE001 -- the run's own failure is the one to raise
+            if not failing:
+                raise
+            print(f"accum-sched: rank {self.rank}: the checkpoint in flight failed too: {exc}", file=sys.stderr,
+                  flush=True)
+        finally:
+            if failing:
+                self.in_flight.close()
+
+    def _write_own_files(self, tmp: str, window, stream) -> dict:
+        """This rank's window-rank<R>.pt and stream-rank<R>.pt (where it has them); their manifest entries."""
+        hashed = {}
+        if window is not None:
+            rel = f"window-rank{self.rank}.pt"
+            hashed[rel] = self._write_file(os.path.join(tmp, rel), {"format": store.FORMAT, "rank": self.rank,
+                                                                     "window": window})
+        if stream is not None:
+            rel = f"stream-rank{self.rank}.pt"
+            hashed[rel] = self._write_file(os.path.join(tmp, rel), {"format": store.FORMAT, "rank": self.rank,
+                                                                     "stream": stream})
+        return hashed
 
     def _failing_save(self, tmp: str, phase):
         """Run a save phase; when it fails on any rank (a full disk, an I/O error), drop the torn ``tmp`` (its space
@@ -423,11 +491,13 @@ class Checkpointer:
             torch.save(state, f)
         return f.entry
 
-    def _write_state(self, path: str, engine_state: dict, rngs: list) -> dict:
+    def _state(self, engine_state: dict) -> dict:
+        """trainer.pt's content but the RNG states: the engine's position, its parts' states (launcher/checkpoint/
+        parts.py), references to the live tensors (a background save copies them first)."""
         engine = self.engine
         state = {
             "format": store.FORMAT, "engine": engine_state,
-            "last_step": None if engine.last_step is None else engine.last_step.to_dict(), "rng": rngs,
+            "last_step": None if engine.last_step is None else engine.last_step.to_dict(),
             "config_hash": self.hash,
         }
         position = invariant_position(invariant_sampler(self.parts["sampler"]), engine.epoch_index,
@@ -437,4 +507,7 @@ class Checkpointer:
         if self._order is not None and self._order[0] == engine.epoch_index:
             state["epoch_order"] = {"epoch": self._order[0], "indices": torch.tensor(self._order[1])}
         state.update(save_parts(self.parts))
-        return self._write_file(path, state)
+        return state
+
+    def _write_state(self, path: str, state: dict, rngs: list) -> dict:
+        return self._write_file(path, {**state, "rng": rngs})

@@ -21,6 +21,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 _GROUP = None
+_BACKGROUND = None  # checkpoint.async: the group of the thread that writes and commits beside training
 _TIMEOUT_S: float | None = None
 
 
@@ -28,15 +29,25 @@ class CoordinationError(RuntimeError):
     """A checkpoint collective did not complete: this rank waited past checkpoint.timeout_s, or a peer is gone."""
 
 
-def start(timeout_s: float):
-    """Create the coordination group (collective: every rank calls it once). Returns it, or None without peers."""
-    global _GROUP, _TIMEOUT_S
+def start(timeout_s: float, background: bool = False):
+    """Create the coordination group (collective: every rank calls it once). Returns it, or None without peers.
+
+    ``background`` (checkpoint.async): also a second gloo group for the thread that writes and commits a checkpoint
+    beside training (launcher/checkpoint/background.py). A process group's collectives must come in the same order
+    on every rank, which two threads sharing one group could not promise."""
+    global _GROUP, _BACKGROUND, _TIMEOUT_S
     _TIMEOUT_S = timeout_s
+    _GROUP = _BACKGROUND = None
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         _GROUP = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    else:
-        _GROUP = None
+        if background:
+            _BACKGROUND = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     return _GROUP
+
+
+def background_group():
+    """The group of the background checkpoint thread (None in a single process, or without checkpoint.async)."""
+    return _BACKGROUND
 
 
 def group():

@@ -75,6 +75,14 @@ def save_shards(parts: dict, tmp: str) -> None:
         parts["backend"].save_shards(parts["setup"], tmp)
 
 
+def stage_shards(parts: dict, tmp: str, group):
+    """checkpoint.async, collective: every rank copies its shards to host memory now and returns a callable that
+    writes them under ``tmp`` (on ``group``, the background thread's), or None when trainer.pt holds the model."""
+    if _model_in_trainer_pt(parts):
+        return None
+    return parts["backend"].stage_shards(parts["setup"], tmp, group)
+
+
 def load_shards(parts: dict, path: str) -> None:
     """Collective: every rank loads its shards of checkpoint ``path`` (no-op when trainer.pt holds the model)."""
     if not _model_in_trainer_pt(parts):

@@ -9,6 +9,7 @@ import typing
 import pydantic
 
 from launcher.errors import ConfigError
+from launcher.options import config_name
 
 _TYPES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "dict": "a mapping",
           "list": "a list", "NoneType": "null"}
@@ -47,7 +48,7 @@ def _walk(loc: tuple, owner: type) -> tuple[list[str], type, str | None, dict]:
     one, that key's name and its declaration metadata. A mapping-valued key's options are walked into."""
     path, name, meta, inside, holder = [], None, {}, False, owner
     for part in loc:
-        fields = {f.name: f for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else {}
+        fields = {config_name(f): f for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else {}
         if not isinstance(part, str) or part not in fields:
             if inside and _is_tag(part):
                 continue  # the mapping member of a union (run.compile: bool or its options)
@@ -56,7 +57,8 @@ def _walk(loc: tuple, owner: type) -> tuple[list[str], type, str | None, dict]:
                 name, meta, holder = part, {}, owner
             break
         path.append(part)
-        name, meta, inside, holder = part, dict(fields[part].metadata), False, owner
+        # name: the attribute (``async_`` of ``async``), which the class's hints and declarations are keyed by
+        name, meta, inside, holder = fields[part].name, dict(fields[part].metadata), False, owner
         factory = fields[part].default_factory
         if meta.get("model") is not None:
             owner, inside = meta["model"], True
@@ -64,7 +66,7 @@ def _walk(loc: tuple, owner: type) -> tuple[list[str], type, str | None, dict]:
             owner = factory
         else:
             hints = typing.get_type_hints(owner)
-            nested = [a for a in typing.get_args(hints[part]) or (hints[part],) if dataclasses.is_dataclass(a)]
+            nested = [a for a in typing.get_args(hints[name]) or (hints[name],) if dataclasses.is_dataclass(a)]
             if not nested:
                 break
             owner = nested[0]
@@ -91,7 +93,7 @@ def config_error(exc: pydantic.ValidationError, root: type) -> ConfigError:
         if name and dataclasses.is_dataclass(owner) else None
     hint = meta.get("hint", "")
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
-        known = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
+        known = [config_name(f) for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
         return ConfigError(field, "unknown key", did_you_mean(str(name), known))
     if kind == "missing":
         section = ".".join(path[:-1])

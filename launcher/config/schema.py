@@ -28,6 +28,7 @@ from launcher.config import sections
 from launcher.config.errors import config_error, did_you_mean
 from launcher.config.sections import LR_SCHEDULERS, OPTIMIZERS, Config, Section  # noqa: F401 (re-exported)
 from launcher.errors import ConfigError
+from launcher.options import config_name
 
 REQUIRED = object()  # the default of a required key
 
@@ -81,8 +82,9 @@ def fields_of(cls) -> dict[str, Field]:
             default = made.to_dict() if isinstance(made, sections.Section) else made
         else:
             default = REQUIRED
-        out[f.name] = Field(kind, default, meta.get("choices"), nullable, meta.get("check"), meta.get("hint", ""),
-                            schema, meta.get("doc", ""), bool(meta.get("train")), meta.get("model"))
+        out[config_name(f)] = Field(kind, default, meta.get("choices"), nullable, meta.get("check"),
+                                    meta.get("hint", ""), schema, meta.get("doc", ""), bool(meta.get("train")),
+                                    meta.get("model"))
     return out
 
 

@@ -257,6 +257,10 @@ class CheckpointConfig(Section):
     # how long ranks wait while rank 0 writes, hashes or verifies a checkpoint (launcher/checkpoint/coordination.py)
     timeout_s: int = key(3600, train=False, check=at_least(10),
                          doc="how long ranks wait while rank 0 writes, hashes or verifies a checkpoint")
+    # `async` is a Python keyword: the attribute is async_ (launcher/checkpoint/background.py writes beside training)
+    async_: bool = key(False, train=False, name="async",
+                       doc="write checkpoints beside training: the step pays only the copy to host memory; not "
+                           "with DeepSpeed; see [Checkpoints](checkpoints.md#asynchronous-checkpoints)")
 
 
 @section

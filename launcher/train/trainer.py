@@ -104,7 +104,8 @@ def init_distributed(cfg: Config, launch) -> torch.device:
             where = {"store": dist.PrefixStore(f"accum-sched/attempt_{attempt}", store)}
         dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
                                 device_id=device if use_cuda else None, **where)
-        coordination.start(cfg.checkpoint.timeout_s)  # checkpoints wait on gloo, never under NCCL's watchdog
+        # checkpoints wait on gloo, never under NCCL's watchdog; checkpoint.async writes on a group of its own
+        coordination.start(cfg.checkpoint.timeout_s, background=cfg.checkpoint.async_)
     return device
 
 
@@ -277,7 +278,15 @@ class Trainer:
         return self.task.loss_fn(model, to_device(batch, self.device))
 
     def fit(self) -> None:
-        """Resume (if any), open the outputs, train epoch by epoch, then finish or answer the preemption."""
+        """Resume (if any), open the outputs, train epoch by epoch, then finish or answer the preemption. A failure
+        first waits for the checkpoint in flight (checkpoint.async), so that it is committed as it would have been."""
+        try:
+            self._fit()
+        except BaseException:
+            self.checkpointer.wait(failing=True)
+            raise
+
+    def _fit(self) -> None:
         self._resume()
         self._open_outputs()
         self.engine.on_step(self._after_step)  # the only callback: the step's order is written there
@@ -463,6 +472,7 @@ class Trainer:
         return self.backend.final_state_dict(self.setup, self.rank)
 
     def finish(self) -> None:
+        self.checkpointer.wait()  # the checkpoint in flight (checkpoint.async) is committed before the run is done
         if self.early_stopped and self.rank == 0:
             print(f"accum-sched: early stop: {self.cfg.eval.monitor} did not improve in "
                   f"{self.validation.bad} evaluations", flush=True)

@@ -135,10 +135,13 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_full_disk_keeps_the_last_good_checkpoint_with_one_clear_line(tmp_path, small_disk):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_a_full_disk_keeps_the_last_good_checkpoint_with_one_clear_line(tmp_path, small_disk, background):
+    """With checkpoint.async the failed background write is raised on every rank at the next checkpoint."""
     ckpt = small_disk / "ckpt"
     cfg = tmp_path / "full.yaml"
-    cfg.write_text(FULL.format(out=tmp_path / "run", ckpt=ckpt))
+    cfg.write_text(FULL.format(out=tmp_path / "run", ckpt=ckpt)
+                   .replace("keep_last: 1}", f"keep_last: 1, async: {str(background).lower()}}}"))
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, "-m", "launcher", "run", str(cfg)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
@@ -315,10 +318,12 @@ def test_an_edited_manifest_is_named_and_skipped(tmp_path, name, edit, problem):
 
 
 @pytest.mark.slow
-def test_a_run_sigkilled_inside_a_checkpoint_commit_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_a_run_sigkilled_inside_a_checkpoint_commit_resumes_exactly(tmp_path, background):
     """The whole run SIGKILLed (agent, and with it the workers) while rank 0 commits its third checkpoint, then
     `--resume`: the torn step-12.tmp is ignored, the run continues from step 8 and ends bit for bit where an
-    uninterrupted run ends."""
+    uninterrupted run ends. With checkpoint.async the commit waits in the background thread while training goes
+    on, until the next checkpoint waits for it."""
     from test_checkpoint import CONFIG, DROPOUT, assert_same_bits, outputs
 
     from launcher.launch import rundir
@@ -329,7 +334,8 @@ def test_a_run_sigkilled_inside_a_checkpoint_commit_resumes_exactly(tmp_path):
     def config(name):
         path = tmp_path / f"{name}.yaml"
         path.write_text(CONFIG.format(out=tmp_path / name, args=DROPOUT, lr_scheduler="{name: cosine, warmup_steps: 2}")
-                        .replace("faulty_tasks:regression", "kill_commit_tasks:regression"))
+                        .replace("faulty_tasks:regression", "kill_commit_tasks:regression")
+                        .replace("keep_last: 3}", f"keep_last: 3, async: {str(background).lower()}}}"))
         return str(path)
 
     def accum(*args, extra=None):
@@ -358,6 +364,7 @@ def test_a_run_sigkilled_inside_a_checkpoint_commit_resumes_exactly(tmp_path):
         except rundir.ConfigError:
             assert time.monotonic() < deadline, "workers outlived the killed run"
             time.sleep(0.2)
+    assert f"async: {str(background).lower()}" in (run / "config.yaml").read_text()  # the mode the run ran in
     root = run / "checkpoints"
     assert sorted(os.listdir(root)) == ["step-00000004", "step-00000008", "step-00000012.tmp"]
     assert store.MANIFEST not in os.listdir(root / "step-00000012.tmp")  # torn: written, never committed
