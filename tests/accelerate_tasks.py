@@ -3,15 +3,18 @@ tests/hf_reference.py's plain-torch large-batch reference.
 
     torchrun --nproc-per-node 2 tests/accelerate_tasks.py OUT_DIR VARIANT [VARIANT ...]
 
-Variants: ``ddp`` and ``fsdp2`` (make_engine on what ``accelerator.prepare`` returned, under Accelerate's DDP and
-its FSDP2 plugin), ``mutated`` (Accelerate's own ``accumulate()`` with ``gradient_accumulation_steps`` set to the
-schedule's factor at each epoch start: what users try today). Each rank saves ``<variant>-<rank>.pt``: its full
+Variants: ``ddp``, ``fp16``, ``bf16``, ``zero1``, ``zero2`` and ``fsdp2`` (make_engine on what
+``accelerator.prepare`` returned, under Accelerate's DDP, its fp16 or bf16 mixed precision, its DeepSpeed plugin at
+ZeRO 1 or 2, and its FSDP2 plugin; one Accelerate configuration per process, so these take a launch each but for
+``ddp`` with ``mutated``), ``mutated`` (Accelerate's own ``accumulate()`` with ``gradient_accumulation_steps`` set
+to the schedule's factor at each epoch start: what users try today). Each rank saves ``<variant>-<rank>.pt``: its full
 parameters, optimizer steps, the LR scheduler's steps, the gradient collectives counted by the test's own counter
 (tests/counters.py: all_reduces at least as large as the model, and reduce_scatters), the FSDP2 groups and the
 seconds of the loop.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -20,14 +23,8 @@ import torch
 
 import hf_reference as ref
 
-
-def token_loss(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(SUM of the next-token cross-entropy over real targets, number of real targets) of a padded micro-batch."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-    targets = batch["labels"][:, 1:]
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
-                                             ignore_index=-100, reduction="sum")
-    return loss, targets.ne(-100).sum()
+token_loss = ref.token_loss
+FORWARD_DTYPES: list = []  # the logits' dtype of the first forward of a run: what precision really ran
 
 
 def accelerator_for(variant: str):
@@ -39,11 +36,38 @@ def accelerator_for(variant: str):
 
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
         accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
-        # Accelerate turns the FSDP plugin on for GPUs only (on CPU it stays MULTI_CPU): set what it would have set
+        # No public setting gives FSDP on CPU in Accelerate 1.16: AcceleratorState takes the FSDP plugin only when
+        # the distributed type is MULTI_GPU/XPU/NPU/... (measured: with the plugin and ACCELERATE_USE_FSDP=true it
+        # stays MULTI_CPU under cpu=True, and NO with cpu=False and a gloo InitProcessGroupKwargs). Set what it
+        # sets on GPUs.
         accelerator.state.distributed_type = DistributedType.FSDP
         accelerator.state.fsdp_plugin = plugin
         return accelerator
+    if variant.startswith("zero"):
+        return deepspeed_accelerator(int(variant[len("zero"):]))
+    if variant == "fp16":  # the GradScaler's settings, as Accelerate takes them (make_engine hands them on)
+        from accelerate.utils import GradScalerKwargs
+
+        return Accelerator(cpu=True, mixed_precision="fp16",
+                           kwargs_handlers=[GradScalerKwargs(init_scale=ref.FP16_INIT_SCALE)])
+    if variant == "bf16":
+        return Accelerator(cpu=True, mixed_precision="bf16")
     return Accelerator(cpu=True)
+
+
+def deepspeed_accelerator(stage: int):
+    """Accelerate's DeepSpeed plugin on CPU by public settings only: cpu=False (Accelerate takes DeepSpeed only
+    then) and the process group's backend named gloo (no accelerator device to pick nccl from); DeepSpeed's CPU
+    accelerator (DS_ACCELERATOR=cpu). Clipping is the engine's (max_grad_norm), so DeepSpeed's own is off."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from accum_sched.backends.deepspeed import ensure_torch_extensions_dir
+
+    ensure_torch_extensions_dir()
+    plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=1, gradient_clipping=0.0)
+    return Accelerator(deepspeed_plugin=plugin, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
 
 
 def prepared(variant: str):
@@ -60,13 +84,20 @@ def train_with_engine(variant: str):
     from accum_sched.integrations.accelerate import make_engine
 
     accelerator, model, optimizer, loader, lr_sched = prepared(variant)
+    # fp16: micro_batch_size makes the engine multiply each loss by the window's share before the backward, so the
+    # fp16 gradients stay at a mean's scale (back-propagated sums overflowed the GradScaler's 2**16: 3 skipped steps)
+    extra = {"micro_batch_size": ref.MICRO} if variant == "fp16" else {}
     engine = make_engine(accelerator, model, optimizer, ref.SCHEDULE, lr_scheduler=lr_sched,
-                         max_grad_norm=ref.MAX_GRAD_NORM)
+                         max_grad_norm=ref.MAX_GRAD_NORM, **extra)
+    # Accelerate autocasts the prepared forward for bf16 on CPU, but for fp16 only off CPU (its native_amp stays
+    # False there): the fp16 forward runs under the engine's autocast, as docs/accelerate.md says
+    autocast = engine.autocast if variant == "fp16" else contextlib.nullcontext
     for epoch in range(ref.EPOCHS):
         for batch in engine.micro_batches(loader, epoch):
-            loss_sum, n = token_loss(model, batch)
+            with autocast():
+                loss_sum, n = token_loss(model, batch, FORWARD_DTYPES)
             engine.backward(loss_sum, n)
-    return accelerator, model, engine.optimizer_steps, lr_sched
+    return accelerator, model, engine, lr_sched
 
 
 def train_mutated(variant: str):
@@ -93,17 +124,33 @@ def run(variant: str) -> dict:
 
     n_params = sum(p.numel() for p in ref.make_model().parameters())
     counter = CollectiveCounter()
+    FORWARD_DTYPES.clear()
     start = time.perf_counter()
     with counter:
-        accelerator, model, steps, lr_sched = (train_mutated if variant == "mutated" else train_with_engine)(variant)
+        accelerator, model, engine, lr_sched = (train_mutated if variant == "mutated" else train_with_engine)(variant)
     seconds = time.perf_counter() - start
+    steps = engine if variant == "mutated" else engine.optimizer_steps
     inner = getattr(lr_sched, "scheduler", lr_sched)
     params = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
               for name, p in accelerator.unwrap_model(model).named_parameters()}
     return {"params": params, "steps": steps, "lr_steps": inner.last_epoch, "seconds": seconds,
             "allreduces": sum(1 for name, numel in counter.calls if name == "all_reduce" and numel >= n_params),
             "reduce_scatters": sum(1 for name, _ in counter.calls if name == "reduce_scatter"),
-            "per_sync": _reduce_scatters_of_one_sync(model) if variant == "fsdp2" else None}
+            "per_sync": _reduce_scatters_of_one_sync(model) if variant == "fsdp2" else None,
+            "forward_dtype": str(FORWARD_DTYPES[0]) if FORWARD_DTYPES else None, "distributed_type": str(
+                accelerator.distributed_type), "num_processes": accelerator.num_processes,
+            "precision": None if variant == "mutated" else engine.precision,
+            "overflow_steps": None if variant == "mutated" else engine.overflow_steps,
+            "loss_scale": _loss_scale(engine), "zero_stage": _zero_stage(model)}
+
+
+def _loss_scale(engine):
+    scaler = getattr(getattr(engine, "backend", None), "scaler", None)
+    return None if scaler is None else float(scaler.get_scale())
+
+
+def _zero_stage(model):
+    return model.zero_optimization_stage() if type(model).__name__ == "DeepSpeedEngine" else None
 
 
 def _reduce_scatters_of_one_sync(model) -> int:

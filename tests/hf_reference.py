@@ -28,6 +28,9 @@ MAX_GRAD_NORM = 1.0
 # two summation orders (measured: 1.3e-4 on that bias, <3e-7 everywhere else). At 1e-4 the noise moves nothing.
 ADAM_EPS = 1e-4
 VOCAB, MAX_LEN = 32, 9
+# fp16's initial loss scale: at torch's 2**16 the summed token losses of a window overflow fp16 in the backward (a
+# skipped step), which the large-batch reference, dividing by the count first, does not
+FP16_INIT_SCALE = 2.0 ** 10
 
 
 def config():
@@ -121,6 +124,55 @@ def reference(order=sequential_order, schedule=SCHEDULE, epochs: int = EPOCHS, m
     return {name: p.detach().clone() for name, p in model.named_parameters()}, steps
 
 
+def token_loss(model, batch, seen: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(SUM of the next-token cross-entropy over real targets, number of real targets) of a padded micro-batch;
+    the logits' dtype is appended to ``seen`` (what precision the forward really ran in)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    if seen is not None:
+        seen.append(logits.dtype)
+    logits, targets = logits[:, :-1], batch["labels"][:, 1:]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                                             ignore_index=-100, reduction="sum")
+    return loss, targets.ne(-100).sum()
+
+
+def amp_reference(dtype: torch.dtype, order=sequential_order, schedule=SCHEDULE, epochs: int = EPOCHS,
+                  max_grad_norm=MAX_GRAD_NORM):
+    """(parameters by name, optimizer steps, loss scales) of plain torch AMP on one large batch per window: the
+    low-precision forward depends on each padded micro-batch's shape, so here every rank's micro-batches of the
+    window run as they do on the ranks (same padding, autocast to ``dtype`` on CPU), their token-loss sums divided
+    by the window's real target count; fp16 with torch's GradScaler (unscale, clip, step, update). Loss scales:
+    the scaler's scale after each step (fp16), to show no step overflowed."""
+    rows = samples()
+    model = make_model()
+    model.train()
+    total = total_steps(schedule, epochs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS, weight_decay=0.0)
+    lr_sched = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_decay(total))
+    scaler = torch.amp.GradScaler("cpu", init_scale=FP16_INIT_SCALE, enabled=dtype == torch.float16)
+    steps, scales = 0, []
+    for epoch, factor in enumerate(factors(schedule, epochs)):
+        per_rank = [order(epoch, r) for r in range(WORLD)]
+        for start in range(0, PER_RANK, factor):
+            batches = [collate([{"input_ids": rows[i]} for i in per_rank[r][m]]) for r in range(WORLD)
+                       for m in range(start, min(start + factor, PER_RANK))]
+            targets = sum(int(b["labels"][:, 1:].ne(-100).sum()) for b in batches)
+            optimizer.zero_grad()
+            for batch in batches:
+                with torch.autocast("cpu", dtype=dtype):
+                    loss_sum, _ = token_loss(model, batch)
+                scaler.scale(loss_sum / targets).backward()
+            scaler.unscale_(optimizer)
+            if max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            lr_sched.step()
+            steps += 1
+            scales.append(scaler.get_scale() if scaler.is_enabled() else None)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, steps, scales
+
+
 def gap(params: dict, ref: dict) -> float:
     """Largest |parameter - reference| over every parameter (by name)."""
     return max((params[name] - r).abs().max().item() for name, r in ref.items())
@@ -132,7 +184,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 def launch(script: str, out, variants) -> dict:
     """``tests/<script> OUT VARIANT...`` under torchrun on WORLD ranks: each variant's saved result, per rank."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(TESTS), TESTS]), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
                os.path.join(TESTS, script), str(out), *variants]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

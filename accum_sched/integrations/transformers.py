@@ -63,14 +63,22 @@ class _Window:
         self.done = False
 
 
-class _EpochProgress(TrainerCallback):
-    """Puts the engine's epoch position in ``state.epoch`` after each step (what the Trainer logs)."""
+class _EngineProgress(TrainerCallback):
+    """Puts the engine's epoch position in ``state.epoch`` after each step (what the Trainer logs), and its state
+    in each checkpoint."""
 
     def __init__(self, trainer: AccumulationTrainer):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
         state.epoch = self.trainer._epoch_progress
+
+    def on_save(self, args, state, control, **kwargs):
+        """Each rank's engine position into the checkpoint the Trainer just wrote (the public hook right after
+        its save; hyperparameter-search trials, which save under a run folder of their own, are not resumable)."""
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        torch.save(self.trainer._snapshot, os.path.join(folder, STATE_FILE.format(rank=args.process_index)))
 
 
 class _WindowLoader:
@@ -123,7 +131,7 @@ class AccumulationTrainer(Trainer):
         self._snapshot: dict | None = None  # the engine's state after its last window (what a checkpoint saves)
         self._windows_in_epoch = 0
         self._epoch_progress = 0.0
-        self.add_callback(_EpochProgress(self))
+        self.add_callback(_EngineProgress(self))
 
     # -- the step total ------------------------------------------------------------------------------------------
     def set_initial_training_values(self, args, dataloader):
@@ -253,13 +261,7 @@ class AccumulationTrainer(Trainer):
         for batch in inputs.batches:
             super()._track_num_input_tokens(batch)
 
-    # -- checkpoints: the engine's position travels with the Trainer's --------------------------------------------
-    def _save_checkpoint(self, model, trial) -> None:
-        super()._save_checkpoint(model, trial)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        os.makedirs(folder, exist_ok=True)
-        torch.save(self._snapshot, os.path.join(folder, STATE_FILE.format(rank=self.args.process_index)))
-
+    # -- resume: the engine's position travels with the Trainer's (saved by _EngineProgress.on_save) -------------
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
                              trial):
         epochs_trained, steps_in_epoch = super()._init_training_state(

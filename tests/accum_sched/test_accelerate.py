@@ -1,7 +1,8 @@
 """accum_sched.integrations.accelerate.make_engine under torchrun (2 gloo CPU ranks): a tiny GPT-2 on padded
 sequences, schedule {1: 2, 2: 4} over epochs of 7 micro-batches per rank (partial windows of 1 and 3), on the objects
 accelerator.prepare returned, against the plain-torch large-batch reference of tests/hf_reference.py; under
-Accelerate's DDP (and its own accumulate() with a mutated factor, which must miss) and its FSDP2 plugin."""
+Accelerate's DDP (and its own accumulate() with a mutated factor, which must miss), fp16 with the accelerator's
+GradScaler settings (against plain torch AMP), its DeepSpeed plugin (ZeRO 1 and 2) and its FSDP2 plugin."""
 from __future__ import annotations
 
 import os
@@ -67,6 +68,36 @@ def test_fsdp2_every_rank_matches_the_reference(tmp_path, reference):
         assert got["per_sync"] >= 1
         assert got["reduce_scatters"] == got["per_sync"] * 13, (got["reduce_scatters"], got["per_sync"])
         assert got["allreduces"] == 0
+
+
+def test_fp16_with_the_accelerators_scaler_every_rank_matches_the_amp_reference(tmp_path):
+    """Accelerate 1.16 on CPU takes mixed_precision="fp16" but neither autocasts nor makes a GradScaler (its
+    native_amp stays off there): the forward runs under engine.autocast(), and make_engine hands the engine a
+    GradScaler built from the accelerator's GradScalerKwargs (init_scale 2**10, not torch's 2**16)."""
+    amp_params, amp_steps, scales = ref.amp_reference(torch.float16)
+    params, _ = ref.reference()
+    assert set(scales) == {ref.FP16_INIT_SCALE} and amp_steps == 13  # the reference never overflowed
+    # fp16's own rounding: the fp16 reference is 5.2e-4 from the fp32 one (measured); a partial window divided by
+    # the configured factor (test_accumulate_with_a_mutated_factor_misses_the_reference) is 6.5e-2 away
+    assert 1e-4 < ref.gap(amp_params, params) < 2e-3
+    for rank, got in enumerate(launch(tmp_path, ("fp16",))["fp16"]):
+        assert got["forward_dtype"] == "torch.float16" and got["precision"] == "fp16", rank
+        assert got["overflow_steps"] == 0 and got["loss_scale"] == scales[-1], (rank, got["loss_scale"])
+        assert got["steps"] == got["lr_steps"] == 13 and got["allreduces"] == 13, rank
+        assert ref.gap(got["params"], amp_params) < 2e-3, (rank, ref.gap(got["params"], amp_params))  # measured 3.4e-4
+
+
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2])
+def test_deepspeed_plugin_every_rank_matches_the_reference(tmp_path, reference, stage):
+    """Accelerate's DeepSpeed plugin on CPU by public settings (cpu=False, InitProcessGroupKwargs(backend="gloo"),
+    DS_ACCELERATOR=cpu): 2 processes, the loader sharded, DeepSpeed's engine owning the optimizer and stepping the
+    LR scheduler prepare gave it."""
+    params, steps = reference
+    runs = launch(tmp_path, (f"zero{stage}",))[f"zero{stage}"]
+    for got in runs:
+        assert got["distributed_type"] == "DistributedType.DEEPSPEED" and got["num_processes"] == 2
+        assert got["zero_stage"] == stage and got["precision"] == "fp32"
+    _assert_reference(runs, params, steps)
 
 
 @pytest.mark.slow
