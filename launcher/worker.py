@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from launcher.launch.forward import guard_worker
+from launcher.launch.forward import guard_worker, stop_agent
 
 if __name__ == "__main__" and os.environ.get("TORCHELASTIC_RUN_ID"):
     # started by torchrun: never outlive it, not even while torch is imported below (seconds); a torchrun already
@@ -30,6 +30,7 @@ from launcher.config import load_config  # noqa: E402
 from launcher.errors import ConfigError  # noqa: E402
 from launcher.launch import failures  # noqa: E402
 from launcher.launch.env import as_torch_env  # noqa: E402
+from launcher.launch.torchrun import ELASTIC_ENV  # noqa: E402
 from launcher.train import warning_lines  # noqa: E402
 from launcher.train.preempt import Preemption  # noqa: E402
 from launcher.train.trainer import Trainer, detect_launch, init_distributed  # noqa: E402
@@ -59,7 +60,11 @@ def main(argv=None) -> int:
     except ConfigError as err:  # bad input found once the task and its classes are imported: one line, exit 2
         rank = int(os.environ.get("RANK", "0"))
         failures.note(cfg.run.output_dir, rank, err, shown=True)
-        if rank == 0 or not getattr(err, "every_rank", False):  # an error every rank finds: said once
+        if os.environ.get(ELASTIC_ENV) == "1":
+            # every new group would find it again: end this node's agent rather than restart; each node's
+            # `accum-sched run` then says the line (launcher/cli/run.py) and exits 2
+            stop_agent()
+        elif rank == 0 or not getattr(err, "every_rank", False):  # an error every rank finds: said once
             print(f"error: {err.line()}", file=sys.stderr, flush=True)
         return 2
     except UnsafePickle as err:  # a checkpoint file that would import code (launcher/checkpoint/pickle_scan.py)
