@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from launcher.launch.forward import guard_worker, stop_agent
+from launcher.launch.forward import guard_worker
 
 if __name__ == "__main__" and os.environ.get("TORCHELASTIC_RUN_ID"):
     # started by torchrun: never outlive it, not even while torch is imported below (seconds); a torchrun already
@@ -60,11 +60,13 @@ def main(argv=None) -> int:
     except ConfigError as err:  # bad input found once the task and its classes are imported: one line, exit 2
         rank = int(os.environ.get("RANK", "0"))
         failures.note(cfg.run.output_dir, rank, err, shown=True)
-        if os.environ.get(ELASTIC_ENV) == "1":
-            # every new group would find it again: end this node's agent rather than restart; each node's
-            # `accum-sched run` then says the line (launcher/cli/run.py) and exits 2
-            stop_agent()
-        elif rank == 0 or not getattr(err, "every_rank", False):  # an error every rank finds: said once
+        every_rank = getattr(err, "every_rank", False)
+        if every_rank and os.environ.get(ELASTIC_ENV) == "1":
+            # an elastic run: every new group would find it again, and torchrun restarts a group that fails (a
+            # SIGTERM to it prints a traceback). Exit 0 so that every agent ends quietly; each node's
+            # `accum-sched run` then says the line from the note and exits 2 (launcher/cli/run.py)
+            return 0
+        if rank == 0 or not every_rank:  # an error every rank finds: said once
             print(f"error: {err.line()}", file=sys.stderr, flush=True)
         return 2
     except UnsafePickle as err:  # a checkpoint file that would import code (launcher/checkpoint/pickle_scan.py)

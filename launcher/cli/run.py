@@ -161,11 +161,13 @@ def _run_elastic(args, cfg) -> int:
     env.setdefault("PYTHONUNBUFFERED", "1")
     began = time.time()
     status, signals = forward.call(torchrun_argv(plan, ["--config", config_path]), env)
-    failed = failures.first(run_dir, began) if status != 0 and not signals else None
-    if failed and failed.get("shown"):  # bad input (a factor that does not come out whole): said on every node
+    failed = failures.first(run_dir, began, newest=True) if not signals else None  # the last group's
+    if failed and failed.get("shown") and not _completed_since(run_dir, began):
+        # bad input every rank found (a factor that does not come out whole on the new world size): the workers
+        # ended quietly (launcher/worker.py), every node says it here
         print(f"error: {failed['error'].partition(': ')[2] or failed['error']}", file=sys.stderr)
         return 2
-    if failed:
+    if failed and status != 0:
         print(f"error: rank {failed['rank']} failed first: {failed['error']}; this node's agent stopped after "
               f"its restarts (distributed.max_restarts {dist.max_restarts}): fix the cause, then "
               f"`accum-sched run {args.config} --nnodes {dist.nnodes} --rdzv-endpoint {args.rdzv_endpoint} "

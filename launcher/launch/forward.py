@@ -110,20 +110,6 @@ def guard_worker(environ=os.environ, prctl=None) -> bool:
     return True
 
 
-def stop_agent(environ=os.environ) -> bool:
-    """End this worker's torchrun agent (SIGTERM: it stops its workers and exits non-zero) instead of letting it
-    restart the group: an elastic run's worker found bad input every new group would find again (docs/elastic.md).
-    Only a parent that is still the torchrun `accum-sched run` started (``LAUNCHER_PID_ENV``); True when sent."""
-    launcher, parent = environ.get(LAUNCHER_PID_ENV, ""), os.getppid()
-    if not launcher.isdigit() or parent_of(parent) != int(launcher):
-        return False
-    try:
-        os.kill(parent, signal.SIGTERM)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def disposition(pid: int, signum: int) -> str | None:
     """``"ignored"``, ``"caught"`` or ``"default"``: what process ``pid`` does with ``signum`` now (its SigIgn and
     SigCgt masks in /proc); None when it cannot be read (gone, or no /proc)."""

@@ -4,7 +4,9 @@ worker each, sharing one rendezvous endpoint and one output directory.
 - one of two agents SIGKILLed mid-run (its whole process group): the survivor re-forms the group alone, continues
   from the newest checkpoint with the factor doubled (keep_global_batch) and ends allclose to a plain-torch
   reference of the same training that never hears of ranks;
-- a third agent joining a running 2-agent job: the group re-forms with 3, the factor goes 3 -> 2, same reference.
+- a third agent joining a running 2-agent job: the group re-forms with 3, the factor goes 3 -> 2, same reference;
+- a third agent joining where keep_global_batch cannot keep its promise (factor 1 on 2 workers): every node ends
+  with the one line and exit 2, no restart loop.
 
 The config gives accumulation.global_batch 48 (6 windows of 48 samples an epoch, 288 samples: 1, 2 and 3 workers
 divide it without padding), so every window takes the same contiguous 48 samples of the epoch's shuffled order
@@ -34,7 +36,7 @@ CONFIG = """\
 run: {{output_dir: {out}, seed: 0, epochs: 3}}
 task: {{target: "elastic_tasks:regression", args: {{}}}}
 data: {{micro_batch_size: 8, shuffle: true}}
-accumulation: {{global_batch: 48}}
+accumulation: {accumulation}
 optimizer: {{name: adamw, lr: 0.01}}
 lr_scheduler: null
 distributed: {{backend: ddp, nproc_per_node: 1, nnodes: "{nodes}", max_restarts: 3}}
@@ -77,15 +79,16 @@ def free_port() -> int:
 class Agents:
     """`accum-sched run` agents, each in its own session (process group), all killed at the end."""
 
-    def __init__(self, tmp, nodes):
+    def __init__(self, tmp, nodes, accumulation="{global_batch: 48}", delay_s=DELAY_S):
+        self.delay_s = delay_s
         self.tmp, self.run = tmp, os.path.join(tmp, "run")
         self.cfg = os.path.join(tmp, "elastic.yaml")
         with open(self.cfg, "w") as f:
-            f.write(CONFIG.format(out=self.run, nodes=nodes))
+            f.write(CONFIG.format(out=self.run, nodes=nodes, accumulation=accumulation))
         self.port, self.nodes, self.procs = free_port(), nodes, {}
 
     def start(self, name):
-        env = {**os.environ, "ELASTIC_DELAY_S": DELAY_S,
+        env = {**os.environ, "ELASTIC_DELAY_S": self.delay_s,
                "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
         log = open(os.path.join(self.tmp, f"{name}.log"), "w")
         self.procs[name] = subprocess.Popen(
@@ -195,3 +198,34 @@ def test_a_third_node_joins_a_running_two_node_job_exactly(tmp_path):
     metrics = finished_like_the_reference(agents, world=3)
     factors = [m["factor"] for m in metrics]
     assert factors[0] == 3 and factors[-1] == 2, factors  # 2 workers, then 3 with the factor 2 (keep_global_batch)
+
+
+@pytest.mark.slow
+def test_a_factor_that_does_not_come_out_whole_is_one_line_and_exit_2_on_every_node(tmp_path):
+    # 54 steps of one micro-batch: 1 s each leaves the third agent time to start (seconds under load)
+    agents = Agents(str(tmp_path), "2:3", accumulation="{schedule: {0: 1}}", delay_s="1.0")
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        agents.start("a")
+        agents.wait_until("the first agent's rendezvous store", agents.listening, deadline)
+        agents.start("b")
+        agents.wait_until("step 3 on 2 workers", lambda: any(m["step"] >= 3 for m in agents.metrics()), deadline)
+        agents.start("c")  # 1 x 2 / 3 workers: no whole factor keeps the global batch
+        codes = {}
+        for name in ("a", "b", "c"):
+            try:
+                codes[name] = agents.procs[name].wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"agent {name} did not end in time\n{agents.logs()}")
+    finally:
+        agents.close()
+    assert codes == {"a": 2, "b": 2, "c": 2}, agents.logs()
+    said = "error: checkpoint.on_world_change: keep_global_batch cannot keep its promise on 3 workers (checkpoint "
+    for name in codes:
+        lines = agents.log(name).strip().splitlines()
+        assert lines[-1].startswith(said), agents.logs()
+        assert lines[-1].endswith("was made by 2 workers, this run has 3): schedule entry 0: 1 would need factor "
+                                  "0.666667; resume on a world size whose factors come out whole, or choose the "
+                                  "other policy"), lines[-1]
+        assert sum(line.startswith("error: ") for line in lines) == 1, agents.logs()
+    assert not os.path.exists(os.path.join(agents.run, "summary.json"))
