@@ -134,6 +134,9 @@ def _run_elastic(args, cfg) -> int:
         raise ConfigError("--resume", f"{args.resume!r}: an elastic run continues from the newest checkpoint of "
                           "its directory, every time its group re-forms", "use --resume auto, or none")
     check_endpoint(args.rdzv_endpoint, 2)  # another agent of this job may serve it here already
+    if dist.max_restarts == 0:
+        print("warning: distributed.max_restarts is 0: a lost node ends this elastic run (a node that joins "
+              "costs no restart); give --max-restarts K to survive K losses", file=sys.stderr)
     rundir.check_dirs(cfg)
     preflight(cfg)
     data_size.check_builtin(cfg)  # with the most ranks the run may have

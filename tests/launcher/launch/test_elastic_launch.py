@@ -110,3 +110,11 @@ def test_the_nnodes_flag_makes_a_run_elastic(tmp_path, capsys):
     assert cli.main(["run", write(tmp_path, nodes="1"), "--nnodes", "2:3"]) == 2
     assert capsys.readouterr().err.startswith("error: --rdzv-endpoint: is required for an elastic run "
                                               "(distributed.nnodes '2:3')")
+
+
+def test_slurm_refuses_an_elastic_range_in_one_line(tmp_path, capsys):
+    assert cli.main(["slurm", write(tmp_path), "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: distributed.nnodes: '1:3' is an elastic range; `accum-sched slurm` submits a fixed number of nodes; "
+        "give a number of nodes here, or start `accum-sched run --nnodes MIN:MAX` on each node of an allocation "
+        "(docs/elastic.md)"]
