@@ -146,16 +146,20 @@ def _run_elastic(args, cfg) -> int:
         check_config(cfg)
     check_devices(cfg)
     rdzv_id = run_id(f"{os.path.abspath(cfg.run.output_dir)}@{args.rdzv_endpoint}")
-    _, first = rundir.hold_elastic(cfg.run.output_dir, f"{args.rdzv_endpoint} {rdzv_id}")
     run_dir = cfg.run.output_dir
     config_path = os.path.abspath(os.path.join(run_dir, "config.yaml"))
-    if first:  # the agents that join find the run started (or resumed) by this one
-        if args.resume:
-            checkpoint_resume.preflight(cfg, args.resume)
+
+    def start():  # the first agent in, before any other may join: the agents that join find the run started
+        if args.resume:  # intact and of this config; the world size is the groups' to check, once formed
+            found = store.find(os.path.abspath(store.checkpoint_root(cfg)), "auto")
+            if found is not None:
+                checkpoint_resume.check_config(*found, cfg)
         else:
             _start_afresh(cfg)
         write_resolved(cfg, config_path)
-    elif not os.path.exists(config_path):
+
+    rundir.hold_elastic(run_dir, f"{args.rdzv_endpoint} {rdzv_id}", on_first=start)
+    if not os.path.exists(config_path):
         write_resolved(cfg, config_path)
     plan = LaunchPlan(nproc_per_node=dist.nproc_per_node, nnodes=dist.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                       rdzv_id=rdzv_id, max_restarts=dist.max_restarts, rdzv_conf=args.rdzv_conf)

@@ -80,10 +80,12 @@ def hold(run_dir: str, nnodes: int = 1, node_rank: int | None = None) -> int:
     return fd
 
 
-def hold_elastic(run_dir: str, job: str) -> tuple[int, bool]:
+def hold_elastic(run_dir: str, job: str, on_first=None) -> tuple[int, bool]:
     """Hold the run directory's lock together with the other agents of the elastic job ``job`` (its rendezvous
     endpoint and id). Returns ``(descriptor, first)``: ``first`` when no agent held it before (this one starts
-    the run; the others join it). Raises ConfigError naming the holder when a plain run, or another job, holds it."""
+    the run; the others join it); ``on_first()`` runs then, before any other agent may join (an earlier run's
+    checkpoints moved aside before a joining agent's workers could pick one). Raises ConfigError naming the
+    holder when a plain run, or another job, holds it."""
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.realpath(os.path.join(run_dir, LOCK))
     if path in _HELD:
@@ -98,6 +100,8 @@ def hold_elastic(run_dir: str, job: str) -> tuple[int, bool]:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"elastic job {job}, first agent pid {os.getpid()} on {socket.gethostname()} since "
                           f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+            if on_first is not None:
+                on_first()
             fcntl.flock(fd, fcntl.LOCK_SH)  # not atomic, but every elastic agent waits on ``entry`` meanwhile
         elif not _try(fd, fcntl.LOCK_SH):
             holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "pid unknown"

@@ -118,3 +118,29 @@ def test_slurm_refuses_an_elastic_range_in_one_line(tmp_path, capsys):
         "error: distributed.nnodes: '1:3' is an elastic range; `accum-sched slurm` submits a fixed number of nodes; "
         "give a number of nodes here, or start `accum-sched run --nnodes MIN:MAX` on each node of an allocation "
         "(docs/elastic.md)"]
+
+
+def test_resume_auto_of_an_elastic_run_checks_the_config_before_launch(tmp_path, capsys):
+    from launcher.checkpoint import store
+    from launcher.checkpoint.manifest import Manifest
+
+    cfg_path = write(tmp_path)
+    other = load_config(cfg_path, ["optimizer.lr=0.5"])  # the checkpoint's run had another learning rate
+    root = store.checkpoint_root(other)
+    final = store.step_dir(root, 4)
+    os.makedirs(final + ".tmp")
+    with open(os.path.join(final + ".tmp", store.STATE), "wb") as f:
+        f.write(b"abc")
+    store.commit(final + ".tmp", final, Manifest(step=4, epoch=0, micro_batch=8, batches_per_epoch=32,
+                                                 world_size=2, micro_batch_size=8,
+                                                 config_hash=store.config_hash(other),
+                                                 config=store.training_config(other), reason="step"))
+    port = torchrun._free_port(2, ("127.0.0.1", 0))
+    args = ["run", cfg_path, "--rdzv-endpoint", f"127.0.0.1:{port}", "--resume", "auto", "--max-restarts", "1"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: optimizer.lr: is 0.01 but checkpoint {final} was made with 0.5; resume with the config "
+                   "the run was started with, or set checkpoint.force_resume: true (--set "
+                   "checkpoint.force_resume=true) to load it anyway"]
+    assert os.listdir(root) == ["step-00000004"] and not os.path.exists(tmp_path / "out" / "config.yaml")
+    assert rundir.held() == ()
