@@ -174,7 +174,8 @@ def _run_elastic(args, cfg) -> int:
         # ended quietly (launcher/worker.py), every node says it here
         print(f"error: {failed['error'].partition(': ')[2] or failed['error']}", file=sys.stderr)
         return 2
-    if failed and status != 0:
+    failed = failures.first(run_dir, began) if status != 0 and not signals else None
+    if failed:
         print(f"error: rank {failed['rank']} failed first: {failed['error']}; this node's agent stopped after "
               f"its restarts (distributed.max_restarts {dist.max_restarts}): fix the cause, then "
               f"`accum-sched run {args.config} --nnodes {dist.nnodes} --rdzv-endpoint {args.rdzv_endpoint} "
