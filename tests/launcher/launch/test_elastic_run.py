@@ -33,9 +33,9 @@ sys.path.insert(0, TESTS)
 import faulty_tasks  # noqa: E402
 
 CONFIG = """\
-run: {{output_dir: {out}, seed: 0, epochs: 3}}
-task: {{target: "elastic_tasks:regression", args: {{}}}}
-data: {{micro_batch_size: 8, shuffle: true}}
+run: {{output_dir: {out}, seed: 0, epochs: {epochs}}}
+task: {{target: "elastic_tasks:regression", args: {{samples: {samples}}}}}
+data: {{micro_batch_size: 8, shuffle: true{sampler}}}
 accumulation: {accumulation}
 optimizer: {{name: adamw, lr: 0.01}}
 lr_scheduler: null
@@ -79,12 +79,14 @@ def free_port() -> int:
 class Agents:
     """`accum-sched run` agents, each in its own session (process group), all killed at the end."""
 
-    def __init__(self, tmp, nodes, accumulation="{global_batch: 48}", delay_s=DELAY_S):
+    def __init__(self, tmp, nodes, accumulation="{global_batch: 48}", delay_s=DELAY_S, samples=288, epochs=3,
+                 sampler=""):
         self.delay_s = delay_s
         self.tmp, self.run = tmp, os.path.join(tmp, "run")
         self.cfg = os.path.join(tmp, "elastic.yaml")
         with open(self.cfg, "w") as f:
-            f.write(CONFIG.format(out=self.run, nodes=nodes, accumulation=accumulation))
+            f.write(CONFIG.format(out=self.run, nodes=nodes, accumulation=accumulation, samples=samples,
+                                  epochs=epochs, sampler=sampler and f", sampler: {sampler}"))
         self.port, self.nodes, self.procs = free_port(), nodes, {}
 
     def start(self, name):
@@ -145,15 +147,15 @@ class Agents:
             return s.connect_ex(("127.0.0.1", self.port)) == 0
 
 
-def finished_like_the_reference(agents, world):
+def finished_like_the_reference(agents, world, steps=STEPS, **shape):
     metrics = agents.metrics()
-    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1)), agents.logs()
-    assert {m["effective_batch"] for m in metrics} == {48}
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1)), agents.logs()
+    assert shape or {m["effective_batch"] for m in metrics} == {48}
     with open(os.path.join(agents.run, "summary.json")) as f:
         summary = json.load(f)
-    assert summary["world_size"] == world and summary["optimizer_steps"] == STEPS
+    assert summary["world_size"] == world and summary["optimizer_steps"] == steps
     model = torch.load(os.path.join(agents.run, "model.pt"), weights_only=True)
-    want = reference()
+    want = reference(**shape)
     for k in want:
         torch.testing.assert_close(model[k], want[k], rtol=1e-5, atol=1e-6)
     print(f"largest distance from the reference: {max((model[k] - want[k]).abs().max().item() for k in want):.2e}")
