@@ -32,6 +32,7 @@ import torch
 from accum_sched import collective, engine_state, epoch_feed, streams, window_stats
 from accum_sched.backends.base import module_device
 from accum_sched.backends.registry import resolve_backend
+from accum_sched.invariant import EmptyMicroBatch
 from accum_sched.open_window import OpenWindow
 from accum_sched.optimizer_rules import LR_COUPLING, OptimizerRules
 from accum_sched.schedule import AccumulationSchedule, Position
@@ -122,6 +123,7 @@ class AccumulationEngine:
         self.should_stop = self._stop_requested = self._expect_backward = False
         self._rounds_offset = 0
         self._boundary = False  # the micro-batch handed out last ends its window
+        self._filler = False  # the micro-batch handed out last is an EmptyMicroBatch's filler (zero weight)
         self._want_norm = False  # whether the open window's gradient norm is measured
         self._prescale = 1.0  # loss multiplier of the open window (see _window_prescale)
         self._prescale_size = 1  # ... and the window size it assumed (a stream's window may end short)
@@ -261,9 +263,14 @@ class AccumulationEngine:
     def _micro_batch(self, batch, boundary: bool) -> Iterator:
         """Hand out one micro-batch inside its gradient-sync context; its backward must come before the next."""
         self._boundary = boundary
+        # a rank's empty micro-batch (accum_sched.invariant) still runs forward and backward, on a filler sample
+        # weighted zero: every rank launches the same collectives (DDP's all-reduce, FSDP2's gathers)
+        self._filler = isinstance(batch, EmptyMicroBatch)
+        if self._filler:
+            batch = batch.filler
         with self.backend.sync_context(boundary):
             self._expect_backward = True
-            self.window.samples += epoch_feed.batch_size(batch)
+            self.window.samples += 0 if self._filler else epoch_feed.batch_size(batch)
             yield batch
             if self._expect_backward:
                 raise RuntimeError("call engine.backward(loss_sum, n_elements) for every micro-batch "
@@ -308,12 +315,14 @@ class AccumulationEngine:
         if not self._expect_backward:
             raise RuntimeError("engine.backward() must be called once per micro-batch from engine.micro_batches()")
         self._expect_backward = False
+        if self._filler:  # an empty micro-batch's filler: an exactly zero gradient (a finite loss times 0), no elements
+            loss_sum, n_elements = loss_sum * 0.0, 0
         n = n_elements.detach() if isinstance(n_elements, torch.Tensor) else n_elements
         self.window.add(loss_sum, n)  # kept where they are: nothing here waits for the device
         if self._boundary:
             self._send_window_stats(loss_sum.device)
         if self.normalize == "micro_batches":
-            self.backend.backward(loss_sum / n)
+            self.backend.backward(loss_sum if self._filler else loss_sum / n)
         elif self._prescale != 1.0:
             self.backend.backward(loss_sum * self._prescale)
         else:

@@ -138,13 +138,22 @@ def test_the_stream_example_runs_as_written(tmp_path):
     """docs/data.md: 37 samples in micro-batches of 4 are 10 micro-batches without a len(); {0: 1, 1: 4} steps
     10 times in epoch 0 and ceil(10 / 4) = 3 times in epoch 1, whose last window is the 2 micro-batches (4 + 1
     samples) the stream's end left."""
-    (code,) = _python_blocks(ROOT / "docs" / "data.md")
+    code = _python_blocks(ROOT / "docs" / "data.md")[0]
     assert _printed(_run_example(code, tmp_path)) == [
         "epoch 0: factor 1, 10 optimizer steps so far", "epoch 1: factor 4, 13 optimizer steps so far",
         "last window: 2 micro-batches, 5 samples"]
     text = (ROOT / "docs" / "data.md").read_text()
     assert "`epoch 1: factor 4, 13 optimizer steps so far`" in text
     assert "`last window: 2 micro-batches, 5 samples`" in text
+
+
+def test_the_invariant_sampler_example_steps_on_windows_of_the_global_batch(tmp_path):
+    """docs/data.md's invariant-sampler script: 29 samples in windows of 12 are steps of 12, 12 and 5 samples in
+    each of 2 epochs (one process here; tests/accum_sched/test_invariant_ddp.py checks the ranks)."""
+    (code,) = [block for block in _python_blocks(ROOT / "docs" / "data.md") if "InvariantBatchSampler" in block]
+    assert _printed(_run_example(code, tmp_path)) == [f"step {i + 1}: {n} samples"
+                                                      for i, n in enumerate([12, 12, 5] * 2)]
+    assert "`step 1: 12 samples` ... `step 6: 5 samples`" in (ROOT / "docs" / "data.md").read_text()
 
 
 def test_the_adaptive_example_starts_at_min_factor_and_follows_the_noise_scale(tmp_path):
@@ -317,8 +326,8 @@ PYTHON_BLOCKS = {
     "README.md": 1, "guide.md": 2,  # examples/own_loop.py's excerpt (tests/test_examples.py runs the file); guide.md's
     # second block is the backend= script
     "transformers.md": 1, "accelerate.md": 1,  # excerpts of examples/hf_trainer.py, examples/accelerate_loop.py
-    "lightning.md": 1, "data.md": 1, "adaptive.md": 1, "fsdp.md": 1, "deepspeed.md": 1, "training.md": 1,
-    "hf.md": 1,  # whole scripts
+    "lightning.md": 1, "data.md": 2, "adaptive.md": 1, "fsdp.md": 1, "deepspeed.md": 1, "training.md": 1,
+    "hf.md": 1,  # whole scripts (data.md: the stream script and the invariant-sampler script)
     "resume.md": 1, "backends.md": 1,  # excerpts of examples/resume_own_loop.py, examples/drive_a_backend.py
 }
 

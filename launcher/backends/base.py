@@ -61,6 +61,9 @@ class LauncherBackend(ABC):
     # this back end's keys in the distributed section, ``{name: (annotation, launcher.options.key(...))}``
     # (``fsdp``, ``deepspeed_config``): declared in its module, composed into the config by the registry
     options: ClassVar[dict] = {}
+    # whether ``data.sampler: invariant`` (short and empty micro-batches, run as zero-weighted fillers) is tested
+    # with this back end; config validation refuses the pair otherwise
+    invariant_sampler: ClassVar[bool] = False
 
     # -- config side: torch-free ------------------------------------------------------------------------------
     def validate(self, cfg) -> None:

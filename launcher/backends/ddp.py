@@ -13,6 +13,7 @@ class DDPBackend(SingleProcessBackend):
     """The model wrapped in DistributedDataParallel on more than one rank; the engine drives its gradient sync."""
 
     name = "ddp"
+    invariant_sampler = True  # DDP and one process: tests/launcher/train/test_invariant_run.py
 
     def setup(self, cfg, model, make_optimizer: OptimizerFactory, device, world: int) -> Setup:
         setup = super().setup(cfg, model, make_optimizer, device, world)

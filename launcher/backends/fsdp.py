@@ -235,6 +235,7 @@ class FSDPBackend(LauncherBackend):
     """FSDP2: the model sharded before its optimizer is built; checkpoints as DCP shards under ``fsdp/``."""
 
     name = "fsdp"
+    invariant_sampler = True  # every rank runs its filler forwards (FSDP2 gathers in each): test_invariant_run.py
     sharded_checkpoint = True
     options = OPTIONS
 

@@ -36,7 +36,16 @@ from accum_sched import engine_state as engine_format
 from accum_sched.step_info import StepInfo
 from launcher.checkpoint import coordination, store
 from launcher.checkpoint.collective import CheckpointError, Ranks, must_see
-from launcher.checkpoint.data_position import EpochLoader, deal, global_order, redealt_loader, resume_position
+from launcher.checkpoint.data_position import (
+    EpochLoader,
+    deal,
+    global_order,
+    invariant_position,
+    invariant_resume,
+    invariant_sampler,
+    redealt_loader,
+    resume_position,
+)
 from launcher.checkpoint.manifest import Manifest
 from launcher.checkpoint.parts import (
     check_parts,
@@ -101,6 +110,7 @@ class Checkpointer:
         self._epoch_batches: int | None = None
         self._order: tuple[int, list[int]] | None = None  # (epoch, global sample order) re-dealt after a world change
         self._order_loader = None
+        self._invariant_start: tuple[int, int] | None = None  # (epoch, sample position): data.sampler invariant
 
     @property
     def engine(self):
@@ -175,7 +185,7 @@ class Checkpointer:
             engine_format.check_format(state["engine"])
         except ValueError as exc:
             raise CheckpointError(f"{os.path.join(path, store.STATE)}: {exc}") from None
-        engine_state = self._resume_position(dict(state["engine"]), state.get("epoch_order"), manifest)
+        engine_state = self._resume_position(dict(state["engine"]), state, manifest)
         if manifest.partial_window:
             engine_state["window"] = self._load(os.path.join(path, f"window-rank{self.rank}.pt"))["window"]
         self._load_engine(state, engine_state)
@@ -202,8 +212,16 @@ class Checkpointer:
             self.ranks.say(f"starting afresh: moved the {rewind.aside} line(s) of metrics.jsonl to "
                            f"{os.path.join(run_dir, store.REWOUND)}", sys.stderr)
 
-    def _resume_position(self, engine_state: dict, order, manifest: Manifest) -> dict:
-        """The engine position to continue from (data_position.resume_position; sets the re-dealt self._order)."""
+    def _resume_position(self, engine_state: dict, state: dict, manifest: Manifest) -> dict:
+        """The engine position to continue from (data_position.resume_position; sets the re-dealt self._order), or
+        under data.sampler invariant the sample position its windows continue from (data_position.invariant_resume)."""
+        invariant = invariant_sampler(self.parts["sampler"]) is not None
+        if invariant or state.get("invariant_position") is not None:
+            engine_state, self._invariant_start = invariant_resume(engine_state, state.get("invariant_position"),
+                                                                   invariant)
+            if invariant:
+                return engine_state
+        order = state.get("epoch_order")
         old_world = manifest.world_size
         full_order = lambda epoch: global_order(self._loader.dataset, epoch, old_world,
                                                 self.cfg.data.shuffle, self.cfg.run.seed)
@@ -236,6 +254,8 @@ class Checkpointer:
 
     def _where(self, manifest: Manifest) -> str:
         engine = self.engine
+        if self._invariant_start is not None and not engine.window_open:
+            return f"epoch {self._invariant_start[0]}, sample {self._invariant_start[1]} of its order"
         if self._order is not None and manifest.world_size != self.world:
             return f"epoch {self._order[0]}: the {len(self._order[1])} samples not trained yet, re-dealt"
         where = f"epoch {engine.epoch_index}, micro-batch {engine.micro_in_epoch}"
@@ -295,6 +315,8 @@ class Checkpointer:
             if self._order_loader is None:
                 self._order_loader = redealt_loader(loader, deal(self._order[1], self.world, self.rank))
             loader = self._order_loader
+        if self._invariant_start is not None and self._invariant_start[0] == epoch:
+            invariant_sampler(self.parts["sampler"]).start_at_sample(self._invariant_start[1])
         start = self.engine.resume_offset(epoch)
         if self.parts["stream"] is not None:  # positioned by its loaded state, if any
             return self.parts["stream"].epoch(start, self.rng, self.rng.replay(epoch))
@@ -412,6 +434,10 @@ class Checkpointer:
             "last_step": None if engine.last_step is None else engine.last_step.to_dict(), "rng": rngs,
             "config_hash": self.hash,
         }
+        position = invariant_position(invariant_sampler(self.parts["sampler"]), engine.epoch_index,
+                                      engine.micro_in_epoch, engine.window_open)
+        if position is not None:
+            state["invariant_position"] = position
         if self._order is not None and self._order[0] == engine.epoch_index:
             state["epoch_order"] = {"epoch": self._order[0], "indices": torch.tensor(self._order[1])}
         state.update(save_parts(self.parts))

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from accum_sched.resume import ResumeSampler
 from launcher.checkpoint.rng import RankRng
+from launcher.errors import ConfigError
 
 
 def global_order(dataset, epoch: int, world: int, shuffle: bool, seed: int) -> list[int]:
@@ -90,3 +91,40 @@ class EpochLoader:
         if self.state is not None:
             self.rng.restore(self.state)
         return iterator
+
+
+# -- data.sampler: invariant (accum_sched.invariant) ---------------------------------------------------------------
+def invariant_sampler(sampler_part):
+    """The run's InvariantBatchSampler behind the checkpoint's sampler part, or None (DistributedSampler, a stream)."""
+    sampler = getattr(sampler_part, "sampler", None)
+    return sampler if hasattr(sampler, "start_at_sample") else None
+
+
+def invariant_position(sampler, epoch: int, micro: int, window_open: bool) -> dict | None:
+    """What trainer.pt records of an invariant epoch saved inside it: where that epoch's windows began (``start``, a
+    sample position of its order) and, at a window boundary, the position reached (``samples``); a stop inside a
+    window has none (it resumes on the same world size only, at its micro-batch)."""
+    if sampler is None or micro == 0 or sampler.epoch != epoch:
+        return None
+    return {"epoch": epoch, "start": sampler.start, "samples": None if window_open else sampler.sample_offset(micro)}
+
+
+def invariant_resume(engine_state: dict, saved: dict | None, invariant: bool) -> tuple[dict, tuple[int, int] | None]:
+    """The engine position and ``(epoch, sample position)`` where an invariant epoch's windows continue, or None.
+
+    At a window boundary the rest of the epoch is laid out afresh from the sample reached, on any world size (the
+    engine starts it at micro-batch 0): with ``keep_global_batch`` its windows are the ones the saved run had
+    ahead. Inside a window (same world size) the epoch keeps its layout and the engine its micro-batch."""
+    epoch, micro = int(engine_state["epoch_index"]), int(engine_state["micro_in_epoch"])
+    mine = saved is not None and int(saved["epoch"]) == epoch and micro > 0
+    if invariant != mine and micro > 0:
+        was, now = ("invariant", "distributed") if mine else ("distributed", "invariant")
+        raise ConfigError("data.sampler", f"is {now}, but the checkpoint was taken inside epoch {epoch} with "
+                          f"data.sampler: {was}, whose position in the epoch means other samples",
+                          f"resume it with data.sampler: {was}, or from a checkpoint taken at an epoch's end")
+    if not mine:
+        return engine_state, None
+    if saved["samples"] is None:
+        return engine_state, (epoch, int(saved["start"]))
+    engine_state["micro_in_epoch"] = 0
+    return engine_state, (epoch, int(saved["samples"]))

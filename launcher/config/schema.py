@@ -184,6 +184,7 @@ def _cross_check(cfg: Config) -> None:
                           "remove it, or name a scheduler class such as torch.optim.lr_scheduler.StepLR")
     _check_co_scale(cfg)
     _check_schedule_from(cfg)
+    _check_invariant_sampler(cfg)
     del schedule
     noise_config.check(cfg)
 
@@ -222,6 +223,25 @@ def _check_schedule_from(cfg: Config) -> None:
     if cfg.lr_scheduler is None or (cfg.lr_scheduler.name == "constant"):
         raise ConfigError(field, "has no LR decay to convert (lr_scheduler is null or constant)",
                           "configure the LR scheduler you would decay with, e.g. {name: cosine}")
+
+
+def _check_invariant_sampler(cfg: Config) -> None:
+    """``data.sampler: invariant`` against the other keys: every window's factor must be known before its epoch (an
+    epoch-keyed schedule), its back end one that is tested with it, and no short micro-batch is dropped."""
+    if cfg.data.sampler != "invariant":
+        return
+    field, acc = "data.sampler", cfg.accumulation
+    if not backends.get(cfg.distributed.backend).invariant_sampler:
+        raise ConfigError(field, f"invariant is not supported with distributed.backend {cfg.distributed.backend} "
+                          "(tested with ddp, fsdp and one process)", "use distributed.backend: ddp or fsdp, or "
+                          "data.sampler: distributed")
+    if acc.adaptive is not None or acc.schedule_from is not None or acc.unit != "epoch":
+        raise ConfigError(field, "invariant lays out an epoch's windows before it starts, so it needs factors keyed "
+                          "by epoch (not adaptive, schedule_from or a step/samples/tokens unit)",
+                          "use an epoch-keyed accumulation.schedule or global_batch, or data.sampler: distributed")
+    if cfg.data.drop_last:
+        raise ConfigError(field, "invariant keeps every sample (a rank's micro-batches may be short or empty), so "
+                          "data.drop_last: true has nothing to drop", "set data.drop_last: false")
 
 
 COMPILE_KEYS = tuple(f.name for f in dataclasses.fields(sections.CompileOptions))

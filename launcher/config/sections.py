@@ -121,6 +121,11 @@ class DataConfig(Section):
     drop_last: bool = key(False, train=True, doc="drop each rank's short last micro-batch (the sampler always pads "
                                                  "ranks to equal length)")
     num_workers: int = key(0, train=False, check=at_least(0), doc="DataLoader workers")
+    sampler: str = key("distributed", train=True, choices=("distributed", "invariant"),
+                       doc="`distributed`: DistributedSampler's order (each rank its own share); `invariant`: each "
+                           "window the next global batch of the epoch's order, split over the ranks, so which "
+                           "samples a step sees does not depend on the world size; see [Invariant "
+                           "windows](data.md#world-invariant-windows)")
     shard: str = key("auto", train=True, choices=("auto", "none"),
                      doc="a task's `IterableDataset`: `auto` splits it by rank and loader worker, `none`: the task "
                          "shards it itself; see [Streams](data.md)")

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from accum_sched import AccumulationEngine
+from accum_sched.invariant import InvariantBatchSampler, InvariantCollate
 from accum_sched.planning import simulate_windows
 from accum_sched.resume import ResumeSampler
 from launcher import backends, tasks
@@ -116,6 +117,9 @@ def plan_total_steps(schedule, loader, sampler, task, cfg: Config, world: int) -
     """Optimizer steps of the run, for LR schedulers and progress: exact for a map-style dataset (under every
     schedule unit), at most ``run.max_steps``; for a stream, ``run.max_steps`` (its length is not known ahead)."""
     max_steps = cfg.run.max_steps
+    if isinstance(sampler, InvariantBatchSampler):  # every epoch's windows are laid out ahead
+        total = sum(windows for _, windows in sampler.plan(cfg.run.epochs))
+        return total if max_steps is None else min(total, max_steps)
     if streams.is_stream(task.dataset):
         if max_steps is None and cfg.lr_scheduler is not None and cfg.lr_scheduler.name != "constant":
             raise ConfigError("run.max_steps", f"is null, but the task's dataset is a stream, whose steps are not "
@@ -157,7 +161,8 @@ def check_enough_data(task, sampler, loader, cfg: Config, world: int) -> None:
     micro-batch (launcher/train/data_size.py); a stream's length is unknown: not checked."""
     if streams.is_stream(task.dataset) or (len(task.dataset) and len(loader)):
         return
-    err = too_small(cfg.task.target, len(task.dataset), world, cfg.data.micro_batch_size, cfg.data.drop_last)
+    err = too_small(cfg.task.target, len(task.dataset), world, cfg.data.micro_batch_size, cfg.data.drop_last,
+                    cfg.data.sampler)
     if err is None:  # the loader disagrees with the sampler's arithmetic (a task's own collate or sampler)
         err = ConfigError("data.micro_batch_size", f"is {cfg.data.micro_batch_size}, but the loader of each rank's "
                           f"{len(sampler)} samples gives no micro-batch", "give the task more samples")
@@ -185,6 +190,9 @@ class Trainer:
         self.adaptive = adaptive_settings(cfg)
         self.factors = run_factors(cfg, self.world, self.checkpointer.plan, self.converted, self.adaptive)
         self.schedule = self.factors.schedule
+        if isinstance(self.sampler, InvariantBatchSampler):  # its windows follow the factors (rescaled on resume)
+            self.sampler.set_schedule(self.factors.engine)
+            self.batches_per_epoch = len(self.loader)  # epoch 0's; another factor gives another length
         self.total_steps = plan_total_steps(self.factors.planned, self.loader, self.sampler, self.task, cfg, self.world)
         if self.converted is not None and self.total_steps != self.converted.total_steps:
             raise RuntimeError(f"schedule_from planned {self.converted.total_steps} optimizer steps, the run has "
@@ -208,7 +216,19 @@ class Trainer:
         state a checkpoint saves (launcher/train/streams.py), and its epoch for the sampler part."""
         cfg, task = self.cfg, self.task
         if streams.is_stream(task.dataset):
+            if cfg.data.sampler == "invariant":
+                err = ConfigError("data.sampler", "invariant needs a map-style dataset (it slices each epoch's "
+                                  "order), but the task's dataset is a stream", "set data.sampler: distributed")
+                err.every_rank = True  # launcher/worker.py: rank 0 says it for all
+                raise err
             return streams.build(task, cfg, self.rank, self.world, pin_memory=self.device.type == "cuda")
+        if cfg.data.sampler == "invariant":  # accum_sched.invariant; the factors are set once known (__init__)
+            sampler = InvariantBatchSampler(len(task.dataset), self.world, self.rank, cfg.data.micro_batch_size,
+                                            shuffle=cfg.data.shuffle, seed=cfg.run.seed)
+            loader = DataLoader(task.dataset, batch_sampler=sampler, num_workers=cfg.data.num_workers,
+                                collate_fn=InvariantCollate(task.dataset, task.collate_fn),
+                                pin_memory=self.device.type == "cuda")
+            return sampler, loader
         sampler = DistributedSampler(task.dataset, num_replicas=self.world, rank=self.rank,
                                      shuffle=cfg.data.shuffle, seed=cfg.run.seed, drop_last=False)
         loader = DataLoader(task.dataset, batch_size=cfg.data.micro_batch_size, sampler=ResumeSampler(sampler),
@@ -364,6 +384,9 @@ class Trainer:
         if streams.is_stream(self.task.dataset):
             return None
         batches, max_steps = len(self.loader), cfg.run.max_steps
+        if isinstance(self.sampler, InvariantBatchSampler):  # (factor, windows) of every epoch, laid out ahead
+            factors = [f for f, windows in self.sampler.plan(cfg.run.epochs) for _ in range(windows)]
+            return sum(factors if max_steps is None else factors[:max_steps])
         if max_steps is None:
             return batches * cfg.run.epochs
         if self.adaptive is not None or self.schedule.unit == "tokens":

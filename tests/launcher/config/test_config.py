@@ -64,6 +64,13 @@ BAD = [
     ("set-unknown", CONTRACT, ["optimizer.lrr=0.1"], "optimizer.lrr"),
     ("set-type", CONTRACT, ["run.epochs=many"], "run.epochs"),
     ("nproc-zero", CONTRACT, ["distributed.nproc_per_node=0"], "distributed.nproc_per_node"),
+    ("sampler-name", CONTRACT, ["data.sampler=invarient"], "data.sampler"),
+    ("invariant-deepspeed", CONTRACT, ["data.sampler=invariant", "distributed.backend=deepspeed",
+                                       "distributed.deepspeed_config={}"], "data.sampler"),
+    ("invariant-step-unit", CONTRACT, ["data.sampler=invariant", "accumulation.unit=step"], "data.sampler"),
+    ("invariant-adaptive", CONTRACT, ["data.sampler=invariant", "accumulation.schedule=null",
+                                      "accumulation.adaptive={min_factor: 1}"], "data.sampler"),
+    ("invariant-drop-last", CONTRACT, ["data.sampler=invariant", "data.drop_last=true"], "data.sampler"),
 ]
 
 

@@ -67,7 +67,7 @@ def test_every_key_declares_a_doc_and_a_mark():
 # what the checkpoint's hash covers; changing a mark is a decision about old checkpoints, made here on purpose
 HASHED = {
     "run.seed", "run.epochs", "run.precision", "run.max_steps", "task.target", "task.args",
-    "data.micro_batch_size", "data.shuffle", "data.drop_last", "data.shard",
+    "data.micro_batch_size", "data.shuffle", "data.drop_last", "data.shard", "data.sampler",
     *(f"accumulation.{k}" for k in ("schedule", "global_batch", "lr_coupling", "unit", "normalize", "uneven",
                                     "nonfinite", "noise_scale", "adaptive", "co_scale", "schedule_from")),
     *(f"optimizer.{k}" for k in ("name", "args", "no_decay", "lr", "weight_decay", "momentum", "betas", "eps",
@@ -79,7 +79,7 @@ HASHED = {
 
 
 # hashed keys added after that release (at their defaults, they leave its checkpoints' hashes unchanged)
-ADDED_SINCE = {"run.max_steps", "data.shard", "accumulation.co_scale", "accumulation.schedule_from"}
+ADDED_SINCE = {"run.max_steps", "data.shard", "accumulation.co_scale", "accumulation.schedule_from", "data.sampler"}
 
 
 def _paths(config: dict, prefix: str = "") -> set[str]:
@@ -153,7 +153,7 @@ NON_DEFAULT = {
     "task.target": ["task.target=builtin:charlm"], "task.args": ["task.args={samples: 64}"],
     "data.micro_batch_size": ["data.micro_batch_size=4"], "data.shuffle": ["data.shuffle=false"],
     "data.drop_last": ["data.drop_last=true"], "run.max_steps": ["run.max_steps=100"],
-    "data.shard": ["data.shard=none"],
+    "data.shard": ["data.shard=none"], "data.sampler": ["data.sampler=invariant"],
     "accumulation.schedule": ["accumulation.schedule={0: 1, 2: 2}"],
     "accumulation.global_batch": ["accumulation.global_batch=16"],
     "accumulation.lr_coupling": ["accumulation.lr_coupling=linear"], "accumulation.unit": ["accumulation.unit=step"],
