@@ -250,3 +250,25 @@ def test_a_factor_that_does_not_come_out_whole_is_one_line_and_exit_2_on_every_n
                                   "other policy"), lines[-1]
         assert sum(line.startswith("error: ") for line in lines) == 1, agents.logs()
     assert not os.path.exists(os.path.join(agents.run, "summary.json"))
+
+
+@pytest.mark.slow
+def test_an_invariant_sampler_keeps_uneven_windows_exact_through_a_lost_node(tmp_path):
+    # data.sampler invariant, 101 samples: windows of 48, 48 and 5 an epoch, which 1 and 2 workers split unevenly
+    # (no padding); 4 epochs, 12 steps; 3 s a step on 2 workers
+    agents = Agents(str(tmp_path), "1:2", delay_s="1.0", samples=101, epochs=4, sampler="invariant")
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        agents.start("a")
+        agents.wait_until("the first agent's rendezvous store", agents.listening, deadline)
+        agents.start("b")
+        agents.wait_until("step 3 on 2 workers", lambda: any(m["step"] >= 3 and m["factor"] == 3
+                                                             for m in agents.metrics()), deadline)
+        agents.kill("b")
+        agents.wait_all(["a"], deadline)
+    finally:
+        agents.close()
+    metrics = finished_like_the_reference(agents, world=1, steps=12, epochs=4, samples=101)
+    assert [m["samples"] for m in metrics] == [48, 48, 5] * 4  # the window's samples, whatever the world
+    factors = [m["factor"] for m in metrics]
+    assert 3 in factors and factors[-1] == 6, factors
