@@ -30,6 +30,7 @@ from launcher.config import load_config  # noqa: E402
 from launcher.errors import ConfigError  # noqa: E402
 from launcher.launch import failures  # noqa: E402
 from launcher.launch.env import as_torch_env  # noqa: E402
+from launcher.launch.torchrun import ELASTIC_ENV  # noqa: E402
 from launcher.train import warning_lines  # noqa: E402
 from launcher.train.preempt import Preemption  # noqa: E402
 from launcher.train.trainer import Trainer, detect_launch, init_distributed  # noqa: E402
@@ -59,7 +60,13 @@ def main(argv=None) -> int:
     except ConfigError as err:  # bad input found once the task and its classes are imported: one line, exit 2
         rank = int(os.environ.get("RANK", "0"))
         failures.note(cfg.run.output_dir, rank, err, shown=True)
-        if rank == 0 or not getattr(err, "every_rank", False):  # an error every rank finds: said once
+        every_rank = getattr(err, "every_rank", False)
+        if every_rank and os.environ.get(ELASTIC_ENV) == "1":
+            # an elastic run: every new group would find it again, and torchrun restarts a group that fails (a
+            # SIGTERM to it prints a traceback). Exit 0 so that every agent ends quietly; each node's
+            # `accum-sched run` then says the line from the note and exits 2 (launcher/cli/run.py)
+            return 0
+        if rank == 0 or not every_rank:  # an error every rank finds: said once
             print(f"error: {err.line()}", file=sys.stderr, flush=True)
         return 2
     except UnsafePickle as err:  # a checkpoint file that would import code (launcher/checkpoint/pickle_scan.py)

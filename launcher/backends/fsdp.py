@@ -266,7 +266,7 @@ class FSDPBackend(LauncherBackend):
             raise ConfigError("run.precision", "fp16 is not supported with backend: fsdp (GradScaler would find "
                               "overflows per shard, so ranks could disagree)",
                               "use bf16, or distributed.fsdp.param_dtype")
-        mesh, world = cfg.distributed.fsdp["mesh"], cfg.distributed.nnodes * cfg.distributed.nproc_per_node
+        mesh, world = cfg.distributed.fsdp["mesh"], cfg.world_size
         if mesh is not None and mesh[0] * mesh[1] != world:
             raise ConfigError("distributed.fsdp.mesh", f"{mesh[0]} x {mesh[1]} ranks but the world has {world} "
                               f"(nnodes x nproc_per_node)", "make replicas x shards equal the world size, or null")

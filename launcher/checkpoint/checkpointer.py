@@ -59,7 +59,7 @@ from launcher.checkpoint.parts import (
     stage_shards,
 )
 from launcher.checkpoint.pickle_scan import UnsafePickle, check_state_file, refusal
-from launcher.checkpoint.resume import ResumePlan, plan_resume
+from launcher.checkpoint.resume import ELASTIC_ENV, ResumePlan, plan_resume
 from launcher.checkpoint.rng import RankRng, rng_state, seed_rank, set_rng_state
 from launcher.errors import ConfigError
 
@@ -91,9 +91,13 @@ class Checkpointer:
         # a restart of torchrun's worker group, or of a requeued SLURM job: both continue from the newest checkpoint
         restarts = sum(int(os.environ.get(name, "0") or 0)
                        for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+        # an elastic run's group (launcher/launch/torchrun.py: elastic_env) continues from the newest usable
+        # checkpoint every time: a group re-formed for a node that joined restarts no counter
+        elastic = os.environ.get(ELASTIC_ENV) == "1"
+        restarts += elastic
         report = lambda problem: self.ranks.say(problem, sys.stderr)
         self._replan = lambda exclude=(): plan_resume(cfg, world, resume, restarts=restarts, root=self.root,
-                                                      report=report, exclude=exclude)
+                                                      report=report, exclude=exclude, elastic=elastic)
         self._auto = resume == "auto" or restarts > 0  # may fall back past a checkpoint that fails to load
         # a fresh start reads no disk: every rank plans it alone, without a collective
         self.plan: ResumePlan = self._replan() if resume is None and restarts == 0 else self._on_rank0(self._replan)

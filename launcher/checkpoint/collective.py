@@ -15,6 +15,14 @@ from launcher.checkpoint import coordination
 from launcher.errors import CheckpointError, ConfigError
 
 
+class RefusedCheckpoint(ConfigError, CheckpointError):
+    """Rank 0 refused the checkpoint for a reason the user fixes (another config, a world size the policy refuses,
+    a factor that does not come out whole): the same one line on every rank, which the worker prints and exits 2
+    with (launcher/worker.py), instead of a traceback."""
+
+    every_rank = True  # launcher/worker.py: said once per run (an elastic run: once per node)
+
+
 class Ranks:
     """This rank among ``world``, coordinating on ``group``."""
 
@@ -27,17 +35,20 @@ class Ranks:
     def on_rank0(self, fn):
         """Rank 0 decides (reads the disk), every rank gets the same answer or raises the same error."""
         result = error = None
+        refused = False  # bad input (a ConfigError): every rank raises RefusedCheckpoint, one line and exit 2
         if self.rank == 0:
             try:
                 result = fn()
             except ConfigError as exc:
-                error = exc.line()
+                error, refused = (exc.field, exc.problem, exc.hint), True
             except Exception as exc:  # noqa: BLE001 -- the other ranks must not wait for an answer forever
                 error = f"{type(exc).__name__}: {exc}"
         if self.distributed():
-            box = [result, error]
+            box = [result, error, refused]
             coordination.collective("decision of rank 0", dist.broadcast_object_list, box, src=0, group=self.group)
-            result, error = box
+            result, error, refused = box
+        if refused:
+            raise RefusedCheckpoint(*error)
         if error:
             raise CheckpointError(error)
         return result

@@ -21,6 +21,7 @@ from launcher.checkpoint.manifest import Manifest, as_manifest
 from launcher.errors import ConfigError
 
 POLICIES = ("error", "keep_global_batch", "keep_factor")
+ELASTIC_ENV = "ACCUM_SCHED_ELASTIC"  # "1" in an elastic run's workers (set by launcher/launch/torchrun.py)
 
 
 @dataclass(frozen=True)
@@ -53,12 +54,14 @@ class ResumePlan:
 
 
 def plan_resume(cfg, world: int, resume: str | None, *, restarts: int = 0, root: str | None = None,
-                report=None, exclude: tuple[str, ...] = ()) -> ResumePlan:
+                report=None, exclude: tuple[str, ...] = (), elastic: bool = False) -> ResumePlan:
     """Plan a run of ``world`` workers under ``cfg``. ``resume``: None (start afresh), ``"auto"`` or a path.
     ``restarts`` > 0 (a restarted worker group, a requeued job): continue from the newest valid checkpoint, falling
     back to ``resume`` when the failed attempt had not saved one yet. ``report(problem)`` hears of every damaged
-    checkpoint skipped; ``exclude``: checkpoints ``auto`` passes over (they failed to load). Raises ConfigError
-    (one line) when the run must not start."""
+    checkpoint skipped; ``exclude``: checkpoints ``auto`` passes over (they failed to load). ``elastic`` (a group
+    of an elastic run, docs/elastic.md): every group continues like a restart, from the newest checkpoint it can
+    use on its world size. Raises ConfigError (one line) when the run must not start."""
+    restarts = max(restarts, 1) if elastic else restarts
     if resume is None and restarts == 0:
         return ResumePlan()
     root = root if root is not None else store.checkpoint_root(cfg)
@@ -73,9 +76,45 @@ def plan_resume(cfg, world: int, resume: str | None, *, restarts: int = 0, root:
     if found is None:
         return ResumePlan(fresh=False, notes=notes)
     path, manifest = found
+    if elastic and not usable_on(manifest, world):  # the newest checkpoint this world can continue from
+        found, notes = _newest_usable(root, world, report, (*exclude, path))
+        notes = (f"elastic: passing over checkpoint {path}: taken inside an accumulation window (or a stream's "
+                 f"epoch) by {manifest.world_size} workers, this group has {world}", *notes)
+        if found is None:  # nothing before it: start afresh (the run had not completed a window)
+            return ResumePlan(fresh=False, notes=notes)
+        path, manifest = found
     diffs = check_config(path, manifest, cfg)
     scale = factor_scale(manifest, cfg, world, path)
-    return ResumePlan(path=path, manifest=manifest, scale=scale, diffs=tuple(diffs), fresh=False)
+    return ResumePlan(path=path, manifest=manifest, scale=scale, diffs=tuple(diffs), fresh=False, notes=notes)
+
+
+def usable_on(manifest: Manifest, world: int) -> bool:
+    """Whether ``world`` workers can continue from a checkpoint at all: one taken inside an accumulation window
+    (its partial gradients are per worker) or inside a stream's epoch (positions per worker) only on its own world
+    size. An elastic group re-forms after its workers were stopped with SIGTERM, which commits the open window: on
+    another world size it continues from the checkpoint before, at a window boundary. (The config and the
+    on_world_change policy are checked after, on the checkpoint chosen, and may still refuse.)"""
+    manifest = as_manifest(manifest)
+    return manifest.world_size == world or not (manifest.partial_window or manifest.stream)
+
+
+def _newest_usable(root: str, world: int, report, exclude: tuple[str, ...]):
+    """``((path, manifest) or None, notes)``: the newest intact checkpoint under ``root`` that ``world`` workers can
+    continue from, passing over damaged ones (``report``) and unusable ones (a note each)."""
+    notes = []
+    for _, path in reversed(store.list_checkpoints(root)):
+        if path in exclude:
+            continue
+        manifest, problem = store.verify(path)
+        if manifest is None:
+            if report is not None:
+                report(f"skipping damaged checkpoint: {problem}")
+        elif usable_on(manifest, world):
+            return (path, manifest), tuple(notes)
+        else:
+            notes.append(f"elastic: passing over checkpoint {path}: taken inside an accumulation window by "
+                         f"{manifest.world_size} workers")
+    return None, tuple(notes)
 
 
 # -- config identity --------------------------------------------------------------------------------------------

@@ -11,12 +11,13 @@ import sys
 import time
 
 from launcher.checkpoint import resume as checkpoint_resume
+from launcher.checkpoint import store
 from launcher.cli.check import preflight
 from launcher.config import LR_SCHEDULERS, OPTIMIZERS, load_config, write_resolved
 from launcher.errors import ConfigError
 from launcher.launch import env as launch_env
 from launcher.launch import failures, forward, malloc, rundir
-from launcher.launch.torchrun import LaunchPlan, check_endpoint, run_id, torchrun_argv
+from launcher.launch.torchrun import LaunchPlan, check_endpoint, elastic_env, run_id, torchrun_argv
 from launcher.train import data_size
 
 
@@ -25,10 +26,13 @@ def add_parser(sub) -> None:
     p.add_argument("config", help="the YAML config")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
     p.add_argument("--nproc-per-node", type=int, default=None, help="workers per node (distributed.nproc_per_node)")
-    p.add_argument("--nnodes", type=int, default=None, help="number of nodes (distributed.nnodes)")
+    p.add_argument("--nnodes", default=None, metavar="N|MIN:MAX",
+                   help="number of nodes, or MIN:MAX for an elastic run (distributed.nnodes; docs/elastic.md)")
     p.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="c10d rendezvous of a multi-node run")
     p.add_argument("--max-restarts", type=int, default=None, help="torchrun restarts of a failed worker group")
+    p.add_argument("--rdzv-conf", default=None, metavar="KEY=VALUE,...",
+                   help="torchrun's rendezvous settings, e.g. last_call_timeout=5 (elastic runs; docs/elastic.md)")
     p.add_argument("--resume", nargs="?", const="auto", default=None, metavar="auto|PATH",
                    help="continue from the newest valid checkpoint (auto) or a given one")
     p.set_defaults(func=main)
@@ -53,10 +57,13 @@ def main(args) -> int:
     overrides = list(args.set)
     for flag, key in (("nproc_per_node", "distributed.nproc_per_node"), ("nnodes", "distributed.nnodes"),
                       ("max_restarts", "distributed.max_restarts")):
-        if getattr(args, flag) is not None:
-            overrides.append(f"{key}={getattr(args, flag)}")
+        value = getattr(args, flag)
+        if value is not None:  # quoted: YAML would read an unquoted 1:3 as the base-60 int 63
+            overrides.append(f'{key}="{value}"' if ":" in str(value) else f"{key}={value}")
     cfg = load_config(args.config, overrides)
     dist = cfg.distributed
+    if dist.elastic:
+        return _run_elastic(args, cfg)
     if dist.nnodes > 1 and not args.rdzv_endpoint:
         raise ConfigError("--rdzv-endpoint", f"is required with {dist.nnodes} nodes",
                           "give HOST:PORT of the first node, the same on every node")
@@ -109,6 +116,81 @@ def main(args) -> int:
               f"`accum-sched run {args.config} --resume` (exit {code})", file=sys.stderr)
         return code
     return status
+
+
+def _run_elastic(args, cfg) -> int:
+    """An elastic run: this node's torchrun agent joins the others at --rdzv-endpoint; the group re-forms when a
+    node is lost or joins, and each new group continues from the newest checkpoint (docs/elastic.md)."""
+    dist = cfg.distributed
+    if not args.rdzv_endpoint:
+        raise ConfigError("--rdzv-endpoint", f"is required for an elastic run (distributed.nnodes {dist.nnodes!r})",
+                          "give HOST:PORT of a node that stays for the whole run, the same on every node")
+    if ":" not in args.rdzv_endpoint:
+        raise ConfigError("--rdzv-endpoint", f"{args.rdzv_endpoint!r} is not HOST:PORT", "write e.g. node01:29400")
+    if args.node_rank is not None:
+        raise ConfigError("--node-rank", "is not used by an elastic run: the rendezvous numbers the nodes",
+                          "leave --node-rank out")
+    if args.resume not in (None, "auto"):
+        raise ConfigError("--resume", f"{args.resume!r}: an elastic run continues from the newest checkpoint of "
+                          "its directory, every time its group re-forms", "use --resume auto, or none")
+    check_endpoint(args.rdzv_endpoint, 2)  # another agent of this job may serve it here already
+    if dist.max_restarts == 0:
+        print("warning: distributed.max_restarts is 0: a lost node ends this elastic run (a node that joins "
+              "costs no restart); give --max-restarts K to survive K losses", file=sys.stderr)
+    rundir.check_dirs(cfg)
+    preflight(cfg)
+    data_size.check_builtin(cfg)  # with the most ranks the run may have
+    if not _plain_optimizer(cfg):
+        from launcher.train.optim import check_config  # imports torch: only when there is a name to check
+
+        check_config(cfg)
+    check_devices(cfg)
+    rdzv_id = run_id(f"{os.path.abspath(cfg.run.output_dir)}@{args.rdzv_endpoint}")
+    run_dir = cfg.run.output_dir
+    config_path = os.path.abspath(os.path.join(run_dir, "config.yaml"))
+
+    def start():  # the first agent in, before any other may join: the agents that join find the run started
+        if args.resume:  # intact and of this config; the world size is the groups' to check, once formed
+            found = store.find(os.path.abspath(store.checkpoint_root(cfg)), "auto")
+            if found is not None:
+                checkpoint_resume.check_config(*found, cfg)
+        else:
+            _start_afresh(cfg)
+        write_resolved(cfg, config_path)
+
+    rundir.hold_elastic(run_dir, f"{args.rdzv_endpoint} {rdzv_id}", on_first=start)
+    if not os.path.exists(config_path):
+        write_resolved(cfg, config_path)
+    plan = LaunchPlan(nproc_per_node=dist.nproc_per_node, nnodes=dist.nnodes, rdzv_endpoint=args.rdzv_endpoint,
+                      rdzv_id=rdzv_id, max_restarts=dist.max_restarts, rdzv_conf=args.rdzv_conf)
+    env = elastic_env(malloc.worker_env(os.environ))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // dist.nproc_per_node)))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    began = time.time()
+    status, signals = forward.call(torchrun_argv(plan, ["--config", config_path]), env)
+    failed = failures.first(run_dir, began, newest=True) if not signals else None  # the last group's
+    if failed and failed.get("shown") and not _completed_since(run_dir, began):
+        # bad input every rank found (a factor that does not come out whole on the new world size): the workers
+        # ended quietly (launcher/worker.py), every node says it here
+        print(f"error: {failed['error'].partition(': ')[2] or failed['error']}", file=sys.stderr)
+        return 2
+    failed = failures.first(run_dir, began) if status != 0 and not signals else None
+    if failed:
+        print(f"error: rank {failed['rank']} failed first: {failed['error']}; this node's agent stopped after "
+              f"its restarts (distributed.max_restarts {dist.max_restarts}): fix the cause, then "
+              f"`accum-sched run {args.config} --nnodes {dist.nnodes} --rdzv-endpoint {args.rdzv_endpoint} "
+              "--resume auto` continues from the last checkpoint", file=sys.stderr)
+    return status
+
+
+def _start_afresh(cfg) -> None:
+    """The first agent of an elastic run started without --resume: an earlier run's checkpoints and metrics go
+    aside now, before any worker starts, since every worker continues from the newest checkpoint it finds."""
+    moved = store.supersede(os.path.abspath(store.checkpoint_root(cfg)))
+    if moved is not None:
+        print(f"starting afresh: moved {len(moved[1])} checkpoint(s) of an earlier run to {moved[0]} (run with "
+              "--resume auto to continue a run)", file=sys.stderr)
+    store.rewind_metrics(cfg.run.output_dir, 0)
 
 
 def _completed_since(run_dir: str, began: float) -> bool:

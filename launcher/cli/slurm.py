@@ -72,6 +72,10 @@ def _strings(cfg: Config, key: str) -> tuple[str, ...]:
 
 def build_job(cfg: Config, config_path: str, workdir: str, python: str, resume: str | None = None) -> SlurmJob:
     s, dist = cfg.slurm, cfg.distributed
+    if dist.elastic:  # sbatch's --nodes MIN-MAX would start the job on some count and never re-form it
+        raise ConfigError("distributed.nnodes", f"{dist.nnodes!r} is an elastic range; `accum-sched slurm` submits "
+                          "a fixed number of nodes", "give a number of nodes here, or start `accum-sched run "
+                          "--nnodes MIN:MAX` on each node of an allocation (docs/elastic.md)")
     time = s.time
     if time is not None and not isinstance(time, str):
         raise ConfigError("slurm.time", f"{time!r} is a number (YAML reads an unquoted 1:30:00 as 5400)",

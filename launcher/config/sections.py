@@ -223,6 +223,30 @@ def _with_backend_options(cls):
     return cls
 
 
+def node_range(value: int | str) -> tuple[int, int]:
+    """``(min, max)`` nodes of distributed.nnodes: ``4`` is (4, 4), ``"1:4"`` is (1, 4). ValueError when malformed."""
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, int):
+        return value, value
+    low, sep, high = str(value).partition(":")
+    if not sep:
+        return int(low), int(low)
+    return int(low), int(high)
+
+
+def nodes_problem(value) -> str | None:
+    try:
+        low, high = node_range(value)
+        if isinstance(value, str) and ":" not in value:
+            raise ValueError(value)
+    except ValueError:
+        return f'{value!r} is neither a number of nodes nor "MIN:MAX"'
+    if low < 1 or high < low:
+        return f"{value!r} needs 1 <= MIN <= MAX, got {low} and {high}"
+    return None
+
+
 @section
 @_with_backend_options
 class DistributedConfig(Section):
@@ -230,12 +254,24 @@ class DistributedConfig(Section):
     backend: str = key("ddp", train=True, choices=backends.names(), doc="`ddp`, `deepspeed` or `fsdp`")
     # the world size is not hashed: resuming on another one has its own policy, checkpoint.on_world_change
     nproc_per_node: int = key(1, train=False, check=at_least(1), doc="workers per node")
-    nnodes: int = key(1, train=False, check=at_least(1), doc="nodes")
+    # an int, or "MIN:MAX" (quoted: YAML reads an unquoted 1:3 as the base-60 int 63) for an elastic run
+    nnodes: int | str = key(1, train=False, check=nodes_problem,
+                            hint='a number of nodes, or "MIN:MAX" (quoted) for an elastic run, e.g. "1:4"',
+                            doc='nodes, or `"MIN:MAX"` (quoted) for an elastic run; see [Elastic runs](elastic.md)')
     process_group: str = key("auto", train=False, choices=("auto", "gloo", "nccl"),
                              doc="`auto` (nccl with CUDA, else gloo), `gloo`, `nccl`")
     find_unused_parameters: bool = key(False, train=False, doc="passed to DDP")
     timeout_s: int = key(600, train=False, check=at_least(10), doc="process-group timeout")
     max_restarts: int = key(0, train=False, check=at_least(0), doc="torchrun restarts of a failed worker group")
+
+    @property
+    def node_range(self) -> tuple[int, int]:
+        return node_range(self.nnodes)
+
+    @property
+    def elastic(self) -> bool:
+        """nnodes written as "MIN:MAX": torchrun's elastic agent, whose group may re-form with another size."""
+        return isinstance(self.nnodes, str)
     # then each back end's own options (launcher/backends/<name>.py: OPTIONS), in the registry's order
 
 
@@ -348,4 +384,6 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        return self.distributed.nproc_per_node * self.distributed.nnodes
+        """Workers of a launch: an elastic run's largest group (its checks before launch need the most ranks; a
+        worker knows its real world from the process group)."""
+        return self.distributed.nproc_per_node * self.distributed.node_range[1]

@@ -30,8 +30,9 @@ def note(run_dir: str, rank: int, exc: BaseException, shown: bool = False) -> No
         pass
 
 
-def first(run_dir: str, since: float) -> dict | None:
-    """The earliest record written at or after ``since`` (a launch's start), or None."""
+def first(run_dir: str, since: float, newest: bool = False) -> dict | None:
+    """The earliest record written at or after ``since`` (a launch's start), or None. ``newest``: the latest
+    instead (an elastic run, whose groups may fail and re-form several times in one launch)."""
     folder = os.path.join(run_dir, FOLDER)
     records = []
     try:
@@ -47,4 +48,5 @@ def first(run_dir: str, since: float) -> dict | None:
                     records.append(record)
             except (OSError, ValueError, TypeError):
                 continue
-    return min(records, key=lambda r: float(r["time"])) if records else None
+    pick = max if newest else min
+    return pick(records, key=lambda r: float(r["time"])) if records else None

@@ -9,6 +9,12 @@
   holders end, however they end (SIGKILL included): there is no stale lock to clean up. torchrun inherits the
   descriptor (:func:`held`, launcher/launch/forward.py), so the directory stays held while it winds its workers
   down. Nodes of one multi-node run share the directory: each holds a lock of its own (named by node rank or host).
+- :func:`hold_elastic`: the agents of one elastic run (``--nnodes MIN:MAX``, docs/elastic.md), on one machine or
+  several sharing the directory, hold ``.accum-sched.lock`` together (a shared ``flock``) under the job's name,
+  its rendezvous endpoint and id, written to ``.accum-sched-elastic``: an agent of the same job joins, a plain run
+  (which wants the lock alone) or another elastic job is refused with exit 2. The first agent in learns that it
+  is first (it alone may start the run afresh). ``flock`` over a network file system holds across hosts only
+  where that file system supports it (NFSv4, Lustre with ``flock``): docs/elastic.md.
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ import time
 from launcher.errors import ConfigError
 
 LOCK = ".accum-sched.lock"
+ELASTIC_JOB = ".accum-sched-elastic"  # the name of the elastic job holding LOCK together
+_ENTRY = ".accum-sched-elastic.lock"  # held a moment by an elastic agent deciding whether it is the first one in
 _HELD: dict[str, int] = {}  # lock file -> descriptor, of the locks this process holds (torchrun inherits them)
 
 
@@ -42,7 +50,7 @@ def check_dirs(cfg) -> None:
 
 
 def lock_name(nnodes: int = 1, node_rank: int | None = None) -> str:
-    if nnodes <= 1:
+    if nnodes <= 1:  # an elastic run's agents share LOCK instead (hold_elastic)
         return LOCK
     return f".accum-sched-node{node_rank if node_rank is not None else socket.gethostname()}.lock"
 
@@ -70,6 +78,71 @@ def hold(run_dir: str, nnodes: int = 1, node_rank: int | None = None) -> int:
               .encode(), 0)
     _HELD[path] = fd
     return fd
+
+
+def hold_elastic(run_dir: str, job: str, on_first=None) -> tuple[int, bool]:
+    """Hold the run directory's lock together with the other agents of the elastic job ``job`` (its rendezvous
+    endpoint and id). Returns ``(descriptor, first)``: ``first`` when no agent held it before (this one starts
+    the run; the others join it); ``on_first()`` runs then, before any other agent may join (an earlier run's
+    checkpoints moved aside before a joining agent's workers could pick one). Raises ConfigError naming the
+    holder when a plain run, or another job, holds it."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.realpath(os.path.join(run_dir, LOCK))
+    if path in _HELD:
+        return _HELD[path], False
+    entry = os.open(os.path.join(run_dir, _ENTRY), os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(entry, fcntl.LOCK_EX)  # one agent at a time decides; held for milliseconds
+        first = _try(fd, fcntl.LOCK_EX)
+        if first:
+            _write(os.path.join(run_dir, ELASTIC_JOB), job)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"elastic job {job}, first agent pid {os.getpid()} on {socket.gethostname()} since "
+                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+            if on_first is not None:
+                on_first()
+            fcntl.flock(fd, fcntl.LOCK_SH)  # not atomic, but every elastic agent waits on ``entry`` meanwhile
+        elif not _try(fd, fcntl.LOCK_SH):
+            holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "pid unknown"
+            raise ConfigError("run.output_dir", f"{run_dir} is in use by another `accum-sched run` ({holder})",
+                              "wait for that run to end (or stop it), or give this one another run.output_dir")
+        else:
+            other = _read(os.path.join(run_dir, ELASTIC_JOB))
+            if other != job:
+                raise ConfigError("run.output_dir", f"{run_dir} is in use by another elastic job ({other})",
+                                  "give this agent the same --rdzv-endpoint as that job's agents to join it, or "
+                                  "another run.output_dir")
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        os.close(entry)  # drops the entry lock
+    _HELD[path] = fd
+    return fd, first
+
+
+def _try(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _write(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+    os.replace(tmp, path)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or "unnamed"
+    except OSError:
+        return "unnamed"
 
 
 def release(fd: int) -> None:

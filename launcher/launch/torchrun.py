@@ -1,5 +1,6 @@
 """argv for torch.distributed.run (torchrun). We never run a rendezvous of our own: standalone c10d on loopback for
-one node, c10d at --rdzv-endpoint across nodes."""
+one node, c10d at --rdzv-endpoint across nodes. An elastic run (``nnodes`` "MIN:MAX", docs/elastic.md) gets torchrun's
+elastic agent with ``--nnodes MIN:MAX`` and no node rank (the rendezvous numbers the nodes anew each round)."""
 from __future__ import annotations
 
 import errno
@@ -17,11 +18,12 @@ WORKER_MODULE = "launcher.worker"
 @dataclass(frozen=True)
 class LaunchPlan:
     nproc_per_node: int
-    nnodes: int = 1
+    nnodes: int | str = 1  # "MIN:MAX": elastic
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
     max_restarts: int = 0
+    rdzv_conf: str | None = None  # torchrun's --rdzv-conf (rendezvous timeouts: docs/elastic.md)
 
 
 def run_id(output_dir: str) -> str:
@@ -38,10 +40,24 @@ def torchrun_argv(plan: LaunchPlan, worker_args: list[str], python: str = sys.ex
                  "--rdzv-id", plan.rdzv_id or "accum-sched"]
         if plan.node_rank is not None:
             argv += ["--node-rank", str(plan.node_rank)]
+        if plan.rdzv_conf:
+            argv += ["--rdzv-conf", plan.rdzv_conf]
     # SIGINT is not torchrun's: `accum-sched run` forwards it to the workers as a stop (launcher/launch/forward.py)
     argv += ["--signals-to-handle", "SIGTERM,SIGHUP,SIGQUIT"]
     argv += ["--max-restarts", str(plan.max_restarts), "-m", WORKER_MODULE, *worker_args]
     return argv
+
+
+def elastic_env(env: dict) -> dict:
+    """The environment of an elastic run's torchrun. Each rendezvous round gets a fresh worker store on its rank-0
+    node (TORCH_DISABLE_SHARE_RDZV_TCP_STORE): with the store shared across rounds (torch 2.13's default), a round
+    re-formed after a join restarts no counter, so its gloo keys would meet the last round's, and a node whose
+    rank 0 died would keep the dead node's address. ACCUM_SCHED_ELASTIC tells the workers that every round after a
+    change continues from the newest checkpoint (launcher/checkpoint/checkpointer.py)."""
+    return {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", ELASTIC_ENV: "1"}
+
+
+ELASTIC_ENV = "ACCUM_SCHED_ELASTIC"  # read by launcher/checkpoint/resume.py's ELASTIC_ENV (same name; no import)
 
 
 def check_endpoint(endpoint: str, nnodes: int = 1, node_rank: int | None = None) -> None:
