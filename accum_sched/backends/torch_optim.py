@@ -79,7 +79,7 @@ class TorchBackend(Backend):
     def scaler_verdict(self) -> torch.Tensor | None:
         """fp16: ``(found_inf, scale)`` on the device, for the engine's one read of the step (GradScaler.step would
         read found-inf with an ``.item()`` of its own, get_scale() the scale with another)."""
-        if self.scaler is None:
+        if self.scaler is None or not self.scaler.is_enabled():  # a disabled scaler records nothing: step() as is
             return None
         self._unscale()
         # the found-inf flags unscale_ recorded (one per device; update() consumes the same tensors)
