@@ -64,7 +64,9 @@ class AccumulationEngine:
     ``lr_coupling`` / ``co_scale``: the optimizer follows the effective batch (:mod:`accum_sched.optimizer_rules`).
     ``noise_scale`` / ``adaptive``: measure the gradient noise scale, and let it pick the factor
     (:mod:`accum_sched.noise_tracking`). ``stop_at``: ``"boundary"`` or ``"micro_batch"``
-    (:mod:`accum_sched.stop_poll`). ``norm_every``: measure the gradient norm every this many steps.
+    (:mod:`accum_sched.stop_poll`); ``stop_poll_every``: with ``"micro_batch"``, the ranks' stop poll communicates on
+    every this many micro-batches (default 1: a stop within 2 micro-batches of the request; k: within 2k, at 1/k of
+    the poll's all-reduces). ``norm_every``: measure the gradient norm every this many steps.
     ``read_ahead``: streams' read-ahead per end-agreement all-reduce (:mod:`accum_sched.streams`).
     """
 
@@ -73,7 +75,7 @@ class AccumulationEngine:
                  nonfinite: str = "skip", precision: str | None = None, micro_batch_size: int | None = None,
                  lr_coupling: str = "none", noise_scale: bool = False, adaptive=None, stop_at: str = "boundary",
                  norm_every: int | None = None, read_ahead: int = streams.READ_AHEAD, co_scale: dict | None = None,
-                 **backend_options):
+                 stop_poll_every: int = 1, **backend_options):
         for name, value, allowed in (("normalize", normalize, NORMALIZE), ("uneven", uneven, UNEVEN),
                                      ("nonfinite", nonfinite, NONFINITE), ("lr_coupling", lr_coupling, LR_COUPLING),
                                      ("stop_at", stop_at, STOP_AT)):
@@ -85,6 +87,8 @@ class AccumulationEngine:
             raise ValueError(f"max_grad_norm={max_grad_norm!r} must be > 0, or None for no clipping")
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 1:
             raise ValueError(f"read_ahead={read_ahead!r} must be an int >= 1")
+        if isinstance(stop_poll_every, bool) or not isinstance(stop_poll_every, int) or stop_poll_every < 1:
+            raise ValueError(f"stop_poll_every={stop_poll_every!r} must be an int >= 1 (micro-batches per stop poll)")
         self.schedule = AccumulationSchedule(schedule)
         if adaptive is not None and self.schedule.milestones != AccumulationSchedule(1).milestones:
             raise ValueError("give either a schedule or adaptive=, not both")
@@ -133,7 +137,7 @@ class AccumulationEngine:
         # (and no per-micro-batch state of its own outside the gradients: the noise scale's sums are not saved)
         partial_ok = self.backend.capabilities.stop_mid_window and self.noise is None
         self.stop_at = stop_at if partial_ok else "boundary"
-        self._stop_poll = StopPoll(self.world_size) if self.stop_at == "micro_batch" else None
+        self._stop_poll = StopPoll(self.world_size, stop_poll_every) if self.stop_at == "micro_batch" else None
 
     # -- public counters ----------------------------------------------------------------------------------------
     @property

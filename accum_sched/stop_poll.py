@@ -1,9 +1,11 @@
-"""StopPoll: the ranks agree on a stop request once per micro-batch without waiting for it (``stop_at="micro_batch"``).
+"""StopPoll: the ranks agree on a stop request while training runs, without waiting for it (``stop_at="micro_batch"``).
 
-Each poll reads the sum started by the previous one and starts the next, so the all-reduce of one number overlaps a
-whole micro-batch. All ranks see the same sums in the same order, hence stop after the same micro-batch (one after
-the request reached a rank). The flag is a CPU tensor on a gloo group of its own (:func:`collective.side_group`), so
-reading it is no device sync under NCCL. In one process the flag is read directly.
+Every ``every``-th micro-batch (default: each one) a poll reads the sum started by the previous poll and starts the
+next, so the all-reduce of one number overlaps ``every`` micro-batches. All ranks poll at the same micro-batches and
+see the same sums in the same order, hence stop after the same micro-batch: at most ``2 x every`` micro-batches after
+the request reached a rank (the request joins the next poll, whose answer the poll after it reads). The flag is a
+CPU tensor on a gloo group of its own (:func:`collective.side_group`), so reading it is no device sync under NCCL.
+In one process the flag is read directly, at every micro-batch.
 """
 from __future__ import annotations
 
@@ -13,18 +15,27 @@ from accum_sched import collective
 
 
 class StopPoll:
-    """``poll(requested)`` once per micro-batch on every rank; True (on every rank at once) when some rank asked."""
+    """``poll(requested)`` once per micro-batch on every rank; True (on every rank at once) when some rank asked.
+    ``every``: communicate on every this many calls only (a cheaper poll, a later stop)."""
 
-    def __init__(self, world_size: int):
-        self.world_size = world_size
+    def __init__(self, world_size: int, every: int = 1):
+        self.world_size, self.every = world_size, every
+        self._calls = 0  # polls since the last one that communicated (the same on every rank)
+        self._asked = False  # a request seen on a call that did not communicate, for the next one that does
         self.group = collective.side_group() if world_size > 1 else None
         self._flag: torch.Tensor | None = None
         self._work = None
 
     def poll(self, requested: bool) -> bool:
-        """The answer to the poll started one call earlier (False on the first); starts the next unless it is True."""
+        """On every ``every``-th call: the answer to the poll started ``every`` calls earlier (False on the first);
+        starts the next unless it is True. Other calls: False, nothing communicated."""
         if self.world_size == 1:
             return requested
+        self._calls += 1
+        self._asked = self._asked or requested
+        if self._calls < self.every:
+            return False
+        self._calls, requested, self._asked = 0, self._asked, False
         agreed = self.drain()
         if not agreed:
             self._flag = torch.tensor([float(requested)], dtype=torch.float64)

@@ -10,6 +10,7 @@ device numbers (a loss, an element count that is a tensor) are used where they a
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -68,6 +69,8 @@ class WindowTotals:
     nonfinite: bool  # a rank's loss was NaN or infinite (a sum with one NaN or inf in it is NaN or inf); the
     # gradient's own check is its norm, where it is measured
     grad_norm: float | None  # global norm of the accumulated gradient before normalisation, if it was taken
+    found_inf: bool = False  # fp16 (a torch GradScaler): its unscale found an inf/NaN in the reduced gradient
+    loss_scale: float | None = None  # fp16 (a torch GradScaler): the scale this window was scaled with
 
 
 def decode(values: list[float]) -> WindowTotals:
@@ -82,13 +85,20 @@ def decode(values: list[float]) -> WindowTotals:
 
 
 def read(backend, want_norm: bool) -> WindowTotals:
-    """The window's numbers summed over ranks, and its gradient norm if ``want_norm``, from ``backend``'s
-    :meth:`~accum_sched.backends.Backend.window_totals`: the one host transfer of an optimizer step."""
+    """The window's numbers summed over ranks, its gradient norm if ``want_norm`` and, under a torch GradScaler, the
+    scaler's verdict (found inf, scale), from ``backend``'s :meth:`~accum_sched.backends.Backend.window_totals` and
+    :meth:`~accum_sched.backends.Backend.scaler_verdict`: the one host transfer of an optimizer step."""
     stats, squared_norm = backend.window_totals(want_norm)
+    scaler = backend.scaler_verdict()
     values = stats if stats.dim() == 1 else stats.reshape(-1)
-    if squared_norm is not None:
-        values = torch.cat([values.to(torch.float64), squared_norm.reshape(1).to(values.device, torch.float64)])
-    return decode(values.tolist())  # the host sync of this optimizer step
+    tail = [t.reshape(-1) for t in (squared_norm, scaler) if t is not None]
+    if tail:  # float64 holds the fp32 counts, the scale (a power of two) and the found-inf sum exactly
+        values = torch.cat([values.to(torch.float64)] + [t.to(values.device, torch.float64) for t in tail])
+    host = values.tolist()  # the host sync of this optimizer step
+    if scaler is None:
+        return decode(host)
+    totals = decode(host[:-2])
+    return dataclasses.replace(totals, found_inf=host[-2] != 0, loss_scale=host[-1])
 
 
 def verdict(totals: WindowTotals, backend, nonfinite: str, epoch: int, step: int) -> tuple[bool, bool, float | None]:
@@ -99,10 +109,11 @@ def verdict(totals: WindowTotals, backend, nonfinite: str, epoch: int, step: int
     without another collective. fp16: a non-finite gradient is how dynamic loss scaling works, not an error: skip,
     back the scale off, never raise.
     """
-    bad = totals.nonfinite or (totals.grad_norm is not None and not math.isfinite(totals.grad_norm))
-    scaler = backend.scaler
-    # before update(): this window's scale; a back end's own fp16 scaling (DeepSpeed) counts alike
-    loss_scale = backend.native_loss_scale() if scaler is None else float(scaler.get_scale())
+    bad = totals.nonfinite or totals.found_inf or (
+        totals.grad_norm is not None and not math.isfinite(totals.grad_norm))
+    # the GradScaler's scale before update(), read with the window's numbers; a back end's own fp16 scaling
+    # (DeepSpeed) counts alike
+    loss_scale = totals.loss_scale if totals.loss_scale is not None else backend.native_loss_scale()
     overflow = bad and loss_scale is not None
     if bad and nonfinite == "raise" and not overflow:
         raise FloatingPointError(f"non-finite loss or gradient at epoch {epoch}, step {step} (nonfinite='raise'; "

@@ -119,6 +119,13 @@ class Backend(abc.ABC):
         reduced, not yet normalised gradient if ``want_norm`` else None). Device tensors; must not wait for the
         device (the engine reads both in its one host transfer of the step). Identical on every rank."""
 
+    def scaler_verdict(self) -> torch.Tensor | None:
+        """After :meth:`window_totals`, with a torch GradScaler in ``scaler``: a device tensor ``(found_inf, scale)``
+        (found_inf non-zero when the unscaled, reduced gradient holds an inf or NaN; the scale the window was scaled
+        with), read in the step's one host transfer; :meth:`step` then trusts ``skip`` instead of the scaler's own
+        found-inf read. None without a GradScaler."""
+        return None
+
     def on_window(self, factor: int, micro_batches: int, samples: int) -> None:
         """Called once per window, before :meth:`step`, with its scheduled factor, micro-batches and global samples
         (for back ends with batch bookkeeping of their own: DeepSpeed's GAS and ``global_samples``)."""

@@ -27,6 +27,8 @@ class TorchBackend(Backend):
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         # fp16: a torch GradScaler ("cpu" works too, torch >= 2.3)
         self.scaler = torch.amp.GradScaler(module_device(model).type) if precision == "fp16" else None
+        self._unscaled = False  # the scaler's unscale_ ran on this window's gradient
+        self._verdict_read = False  # scaler_verdict() handed the found-inf flag to the step's one host read
         self.world_size = 1
 
     @property
@@ -61,14 +63,31 @@ class TorchBackend(Backend):
 
     def _squared_norm(self) -> torch.Tensor:
         """Squared global L2 norm of the (synchronised, unscaled) accumulated gradient, before normalisation."""
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+        self._unscale()
         return squared_norm(self._grads())
+
+    def _unscale(self) -> None:
+        if self.scaler is not None and not self._unscaled:
+            self.scaler.unscale_(self.optimizer)  # divides by the scale and records found-inf: no host sync
+            self._unscaled = True
 
     def window_totals(self, want_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """After the last backward: (the window's numbers summed over ranks, squared gradient norm if wanted)."""
         stats, self._stats = self._stats, None
         return stats, self._squared_norm() if want_norm else None
+
+    def scaler_verdict(self) -> torch.Tensor | None:
+        """fp16: ``(found_inf, scale)`` on the device, for the engine's one read of the step (GradScaler.step would
+        read found-inf with an ``.item()`` of its own, get_scale() the scale with another)."""
+        if self.scaler is None or not self.scaler.is_enabled():  # a disabled scaler records nothing: step() as is
+            return None
+        self._unscale()
+        # the found-inf flags unscale_ recorded (one per device; update() consumes the same tensors)
+        found = self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"].values()
+        scale = self.scaler._scale  # before update(): the scale this window's backward ran with
+        self._verdict_read = True
+        return torch.stack([sum(f.to(scale.device, torch.float32) for f in found).reshape(()),
+                            scale.reshape(()).float()])
 
     def step(self, coef: float, max_norm: float | None, norm: float | None, skip: bool, lr_scale: float = 1.0) -> None:
         """Scale the window's gradient by ``coef`` (and clip to ``max_norm``), step, advance the LR, clear.
@@ -81,12 +100,15 @@ class TorchBackend(Backend):
             if scale != 1.0:  # full windows with a known micro-batch size are exact already (engine prescale)
                 scale_gradients(self._grads(), scale)
             with scaled_lr(self.optimizer, lr_scale):
-                if self.scaler is not None:
-                    self.scaler.step(self.optimizer)
-                else:
+                if self.scaler is not None and not self._verdict_read:
+                    self.scaler.step(self.optimizer)  # no verdict read: the scaler checks found-inf (a host sync)
+                    self._unscaled = True  # step() unscaled if nobody had
+                else:  # the engine read found-inf with the window's numbers: not skipped means none was found
                     self.optimizer.step()
         if self.scaler is not None:
-            self.scaler.update()
+            self._unscale()  # a skipped window nobody unscaled still records found-inf for update()
+            self.scaler.update()  # the scaler's own rule (backoff on found-inf, growth every growth_interval)
+            self._unscaled = self._verdict_read = False
         # A step the GradScaler skipped (fp16 overflow) took no optimizer step: the LR schedule waits (as HF Trainer).
         if self.lr_scheduler is not None and not (skip and self.scaler is not None):
             with warnings.catch_warnings():  # a skipped first step makes torch warn about the call order

@@ -263,6 +263,9 @@ class DistributedConfig(Section):
     find_unused_parameters: bool = key(False, train=False, doc="passed to DDP")
     timeout_s: int = key(600, train=False, check=at_least(10), doc="process-group timeout")
     max_restarts: int = key(0, train=False, check=at_least(0), doc="torchrun restarts of a failed worker group")
+    stop_poll_every: int = key(1, train=False, check=at_least(1),
+                               doc="the workers agree on a stop (preemption, Ctrl-C) every N micro-batches: a stop "
+                                   "lands within 2N micro-batches, at 1/N of the one-number all-reduces")
 
     @property
     def node_range(self) -> tuple[int, int]:

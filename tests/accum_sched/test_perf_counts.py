@@ -139,10 +139,9 @@ def test_single_process_one_host_sync_per_step_none_per_micro_batch():
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="fp16: GradScaler.get_scale() (the step's loss_scale) and GradScaler.step's found-inf "
-                   ".item() are two device syncs per optimizer step besides the window's numbers")
 def test_single_process_fp16_one_host_sync_per_step():
+    """The GradScaler's verdict (found-inf, scale) rides in the window's one read: no get_scale(), no found-inf
+    .item() of GradScaler.step."""
     _single("fp16")
 
 

@@ -43,3 +43,76 @@ def test_a_request_on_one_rank_stops_every_rank_at_the_same_poll(tmp_path):
         # one one-number all-reduce on the side group per poll that did not answer True (4 + 2 after it, then 3
         # quiet ones), none on the training group
         assert got["side"] == [["all_reduce", 1]] * (4 + 2 + 3) and got["world"] == [], (rank, got)
+
+
+def _polls_every(rank: int, world: int, out: str) -> None:
+    from accum_sched.stop_poll import StopPoll
+
+    with CollectiveCounter() as colls:
+        poll = StopPoll(world, every=3)
+        # rank 1 asks at call 4, a call that does not communicate: the request waits for call 5
+        answers = [poll.poll(rank == 1 and i == 4) for i in range(12)]
+        drained = poll.drain()
+    with open(os.path.join(out, f"every{rank}.json"), "w") as f:
+        json.dump({"answers": answers, "drained": drained,
+                   "side": [call for call, group in zip(colls.calls, colls.groups) if group == "other"]}, f)
+
+
+def test_a_poll_every_three_calls_communicates_once_per_three_and_stops_every_rank_together(tmp_path):
+    spawn(_polls_every, 2, str(tmp_path), deadline_s=120)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"every{rank}.json").read_text())
+        # communicating calls 2, 5, 8, 11: the request (call 4) is sent at 5 and read at 8 on both ranks, 4 calls
+        # after it (at most 2 x 3); after the True answer the poll starts again at 11, with nothing asked
+        assert got["answers"] == [False] * 8 + [True] + [False] * 3, (rank, got)
+        assert got["drained"] is False, (rank, got)
+        assert got["side"] == [["all_reduce", 1]] * 3, (rank, got)  # started at calls 2, 5 and 11
+
+
+def _engine_stops(rank: int, world: int, out: str) -> None:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import cases
+    from accum_sched import AccumulationEngine
+
+    case = cases.Case("one-window", {0: 16}, epochs=1, samples=(64,))  # 16 micro-batches, one window: no boundary
+    report = {}
+    for every in (1, 3):  # before the stop, so only the poll can carry it
+        model = cases.make_model(case)
+        engine = AccumulationEngine(DDP(model), cases.make_optimizer(case, model), case.schedule,
+                                    stop_at="micro_batch", stop_poll_every=every)
+        loss_fn = cases.loss_fn_for(case.kind)
+        with CollectiveCounter() as colls:
+            for index, batch in enumerate(engine.micro_batches(cases.rank_batches(case, rank, 0), 0)):
+                engine.backward(*loss_fn(engine.model, batch))
+                if rank == 1 and index == 4:
+                    engine.request_stop()
+        side = [call for call, group in zip(colls.calls, colls.groups) if group == "other"]
+        report[every] = {"stopped_after": engine.micro_in_epoch, "should_stop": engine.should_stop,
+                         "open": engine.window_open, "polls": len(side), "steps": engine.optimizer_steps}
+        torch.distributed.barrier()
+    with open(os.path.join(out, f"engine{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def test_the_engine_with_stop_poll_every_stops_every_rank_at_the_same_micro_batch_within_2k(tmp_path):
+    spawn(_engine_stops, 2, str(tmp_path), deadline_s=180)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"engine{rank}.json").read_text())
+        # asked during micro-batch 5 (index 4): every 1 polls at each micro-batch, sends it at 5 and reads it at 6;
+        # every 3 polls at 3, 6, 9: sends it at 6, reads it at 9; both inside the open window, no step taken
+        assert got["1"] == {"stopped_after": 6, "should_stop": True, "open": True, "polls": 5, "steps": 0}, got
+        assert got["3"] == {"stopped_after": 9, "should_stop": True, "open": True, "polls": 2, "steps": 0}, got
+
+
+def test_stop_poll_every_must_be_a_positive_int():
+    import pytest
+    import torch
+
+    from accum_sched import AccumulationEngine
+
+    model = torch.nn.Linear(2, 1)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="stop_poll_every"):
+            AccumulationEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), stop_poll_every=bad)
