@@ -13,9 +13,11 @@ when something is missing. Every name carries this process's id, so two test ses
 
 Nothing stays behind (issue 28): `start()` registers `stop()` to run at exit and on SIGTERM, SIGHUP and SIGINT
 (then the signal takes its earlier course), and, since SIGKILL cannot be caught, first removes what killed runs
-left: every namespace, bridge and veth of this project's names (`accum-<pid>-<i>`, `acb<pid>`, `acv<pid>h<i>`)
+left: every namespace, bridge and veth of this project's names (`accum-<pid>-<i>`, `acb<pid>[x<k>]`, `acv<pid>h<i>`)
 whose owner process <pid> is gone, and the processes still inside such a namespace (the dead run's own daemons).
-Names of a live process, another test session's, are left alone.
+Names of a live process, another test session's, are left alone. Several NetnsNodes may live in one process at
+once (the SLURM cluster's and an elastic test's): the k-th one's bridge is `acb<pid>x<k>`, and the node numbers <i>
+go on counting across them.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import threading
 from pathlib import Path
 
 NETNS_NAME = re.compile(r"accum-(\d+)-\d+")  # this project's namespaces; the number is the owner's process id
-LINK_NAME = re.compile(r"ac(?:b(\d+)|v(\d+)h\d+)")  # its bridges and host-side veths
+LINK_NAME = re.compile(r"ac(?:b(\d+)(?:x\d+)?|v(\d+)h\d+)")  # its bridges and host-side veths
 
 
 class NetnsUnavailable(RuntimeError):
@@ -103,6 +105,7 @@ def remove_stale() -> list[str]:
 _cleanups: list = []  # stop() of every started NetnsNodes (and what else registered), newest last
 _handled: dict = {}  # signal -> the handler it had before
 _cleanups_registered: list = []  # [True] once _run_cleanups is an exit handler
+_made_in_this_process = [0, 0]  # NetnsNodes made, nodes named: a second one's names must not meet the first's
 
 
 def _run_cleanups() -> None:
@@ -150,9 +153,11 @@ class NetnsNodes:
         self.root = Path(root)
         self.names = list(names)
         tag = str(os.getpid())  # the owner: remove_stale() tells a killed run's names by it (pid_max fits IFNAMSIZ)
-        self.bridge = f"acb{tag}"
-        self.netns = {name: f"accum-{tag}-{i}" for i, name in enumerate(self.names)}
-        self.host_veth = {name: f"acv{tag}h{i}" for i, name in enumerate(self.names)}
+        k, first = _made_in_this_process
+        _made_in_this_process[:] = [k + 1, first + len(self.names)]
+        self.bridge = f"acb{tag}" + (f"x{k}" if k else "")  # at most 15 characters (IFNAMSIZ) with a 7-digit pid
+        self.netns = {name: f"accum-{tag}-{first + i}" for i, name in enumerate(self.names)}
+        self.host_veth = {name: f"acv{tag}h{first + i}" for i, name in enumerate(self.names)}
         self.hosts_file = self.root / "hosts"
         self.host_name = socket.gethostname().split(".")[0]
         self.subnet: ipaddress.IPv4Network | None = None

@@ -88,14 +88,16 @@ class Agents:
             f.write(CONFIG.format(out=self.run, nodes=nodes, accumulation=accumulation, samples=samples,
                                   epochs=epochs, sampler=sampler and f", sampler: {sampler}"))
         self.port, self.nodes, self.procs = free_port(), nodes, {}
+        self.host = "127.0.0.1"  # the rendezvous endpoint's address (test_elastic_netns.py: node 1's)
 
-    def start(self, name):
+    def start(self, name, wrap=lambda argv: argv):
+        """Agent ``name``; ``wrap`` turns its argv into the one that runs it (e.g. on a network-namespace node)."""
         env = {**os.environ, "ELASTIC_DELAY_S": self.delay_s,
                "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
         log = open(os.path.join(self.tmp, f"{name}.log"), "w")
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "launcher", "run", self.cfg, "--nnodes", self.nodes, "--rdzv-endpoint",
-             f"127.0.0.1:{self.port}", "--rdzv-conf", RDZV_CONF], cwd=TESTS, env=env, stdout=log,
+            wrap([sys.executable, "-m", "launcher", "run", self.cfg, "--nnodes", self.nodes, "--rdzv-endpoint",
+                  f"{self.host}:{self.port}", "--rdzv-conf", RDZV_CONF]), cwd=TESTS, env=env, stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         return self.procs[name]
@@ -144,7 +146,8 @@ class Agents:
 
     def listening(self):
         with socket.socket() as s:
-            return s.connect_ex(("127.0.0.1", self.port)) == 0
+            s.settimeout(5)
+            return s.connect_ex((self.host, self.port)) == 0
 
 
 def finished_like_the_reference(agents, world, steps=STEPS, **shape):
