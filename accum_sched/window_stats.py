@@ -104,7 +104,7 @@ class WindowTotals:
 
 def decode(values: list[float]) -> WindowTotals:
     """Read :func:`encode`'s layout summed over ranks, plus an optional squared gradient norm appended after it."""
-    d = [int(round(v)) for v in values[:6]]  # the digits of the two counts
+    d = [round(v) for v in values[:6]]  # the digits of the two counts (round() of a float is an int)
     squared = values[SIZE] if len(values) > SIZE else None
     loss = values[7]
     return WindowTotals(elements=(d[0] * DIGIT + d[1]) * DIGIT + d[2], samples=(d[3] * DIGIT + d[4]) * DIGIT + d[5],
