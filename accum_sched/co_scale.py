@@ -104,7 +104,8 @@ def reported(param_groups, scale: GroupScale | float) -> tuple[float | None, flo
     if not param_groups:
         return None, None
     group = next((g for g in param_groups if g.get("weight_decay")), param_groups[0])
-    beta2 = group["betas"][1] if has_betas([group]) else None
+    betas = group.get("betas")  # has_betas([group]), inline: this runs at every optimizer step
+    beta2 = betas[1] if isinstance(betas, (tuple, list)) and len(betas) == 2 else None
     wd = group.get("weight_decay")
     if isinstance(scale, GroupScale):
         if beta2 is not None and scale.beta2_power is not None:

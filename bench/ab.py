@@ -108,14 +108,21 @@ class Engine:
 
     def start(self, loader, factor, epoch):
         self.batches = self.engine.micro_batches(loader, epoch)
+        self.ahead = None  # the next micro-batch, taken already (None before the epoch's first, timed with it)
 
     def window(self, size):
+        if self.ahead is None:
+            self.ahead = next(self.batches)  # the epoch's agreement runs here, in the first window's slot
         for _ in range(size):
-            x, y = next(self.batches)
+            x, y = self.ahead
             self.engine.backward(sample_losses(self.engine.model, x, y).sum(), x.shape[0])
+            # The window's step runs when the iterator is asked for the next micro-batch, as in a user's loop:
+            # ask inside this window's slot. Asked in the next slot (as before), the step ran after the other
+            # variants' windows had pushed this model's gradients and weights out of the cache, a cost no loop pays.
+            self.ahead = next(self.batches, None)
 
-    def finish(self):  # the epoch's last step runs when the iterator is asked for more
-        for _ in self.batches:
+    def finish(self):
+        if self.ahead is not None:
             raise RuntimeError("the engine yielded more micro-batches than the epoch has")
 
 
@@ -125,6 +132,7 @@ class StreamEngine(Engine):
 
     def start(self, loader, factor, epoch):
         self.batches = self.engine.micro_batches((batch for batch in loader), epoch)
+        self.ahead = None
 
 
 def _reduced(fut):
