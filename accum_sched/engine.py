@@ -29,12 +29,12 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from accum_sched import collective, engine_state, epoch_feed, streams, window_stats
+from accum_sched import collective, engine_options, engine_state, epoch_feed, streams, window_stats
 from accum_sched.backends.base import module_device
 from accum_sched.backends.registry import resolve_backend
 from accum_sched.invariant import EmptyMicroBatch
 from accum_sched.open_window import OpenWindow
-from accum_sched.optimizer_rules import LR_COUPLING, OptimizerRules
+from accum_sched.optimizer_rules import OptimizerRules
 from accum_sched.schedule import AccumulationSchedule, Position
 from accum_sched.step_info import StepInfo
 from accum_sched.step_rules import scale_gradients
@@ -42,10 +42,6 @@ from accum_sched.stop_poll import StopPoll
 
 log = logging.getLogger("accum_sched")
 
-NORMALIZE = ("elements", "micro_batches")
-UNEVEN = ("truncate", "error")
-NONFINITE = ("skip", "raise")
-STOP_AT = ("boundary", "micro_batch")
 
 class AccumulationEngine:
     """Drives scheduled gradient accumulation for a plain module, a DDP module, an FSDP2 (``fully_shard``) module
@@ -76,25 +72,13 @@ class AccumulationEngine:
                  lr_coupling: str = "none", noise_scale: bool = False, adaptive=None, stop_at: str = "boundary",
                  norm_every: int | None = None, read_ahead: int = streams.READ_AHEAD, co_scale: dict | None = None,
                  stop_poll_every: int = 1, **backend_options):
-        for name, value, allowed in (("normalize", normalize, NORMALIZE), ("uneven", uneven, UNEVEN),
-                                     ("nonfinite", nonfinite, NONFINITE), ("lr_coupling", lr_coupling, LR_COUPLING),
-                                     ("stop_at", stop_at, STOP_AT)):
-            if value not in allowed:
-                raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
-        if norm_every is not None and not (isinstance(norm_every, int) and norm_every >= 1):
-            raise ValueError(f"norm_every={norm_every!r} must be an int >= 1, or None to measure only when clipping")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm={max_grad_norm!r} must be > 0, or None for no clipping")
-        if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 1:
-            raise ValueError(f"read_ahead={read_ahead!r} must be an int >= 1")
-        if isinstance(stop_poll_every, bool) or not isinstance(stop_poll_every, int) or stop_poll_every < 1:
-            raise ValueError(f"stop_poll_every={stop_poll_every!r} must be an int >= 1 (micro-batches per stop poll)")
         self.schedule = AccumulationSchedule(schedule)
-        if adaptive is not None and self.schedule.milestones != AccumulationSchedule(1).milestones:
-            raise ValueError("give either a schedule or adaptive=, not both")
+        engine_options.check(normalize=normalize, uneven=uneven, nonfinite=nonfinite, lr_coupling=lr_coupling,
+                             stop_at=stop_at, norm_every=norm_every, max_grad_norm=max_grad_norm,
+                             read_ahead=read_ahead, stop_poll_every=stop_poll_every, adaptive=adaptive,
+                             schedule_given=self.schedule.milestones != AccumulationSchedule(1).milestones,
+                             noise_scale=noise_scale)
         noise_scale = noise_scale or adaptive is not None  # the adaptive factor follows the noise scale
-        if lr_coupling == "adascale" and not noise_scale:
-            raise ValueError("lr_coupling='adascale' needs the noise scale: set noise_scale=True (or adaptive=)")
         self.model = model
         self.normalize, self.uneven, self.nonfinite = normalize, uneven, nonfinite
         self.max_grad_norm, self.micro_batch_size, self.norm_every = max_grad_norm, micro_batch_size, norm_every

@@ -275,3 +275,11 @@ def test_the_lazy_import_check_finds_a_light_import_and_a_missing_reason(tmp_pat
     assert _module_level_heavy(str(path)) is False
     path.write_text("from torch import nn\n")
     assert _module_level_heavy(str(path)) is True
+
+
+def test_the_engine_stays_a_composition_of_parts():
+    """The engine composes its parts (epoch_feed, open_window, optimizer_rules, noise_tracking, stop_poll,
+    engine_options, ...): a feature that grows it past 450 lines belongs in a part of its own."""
+    with open(os.path.join(ROOT, "accum_sched", "engine.py")) as f:
+        lines = len(f.read().splitlines())
+    assert lines <= 450, f"accum_sched/engine.py has {lines} lines: move the new feature into a part of its own"
