@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from accum_sched import AccumulationEngine  # noqa: E402
 from accum_sched.streams import READ_AHEAD  # noqa: E402
-from workload import Workload, build_model, make_optimizer, rank_data, sample_losses  # noqa: E402
+from workload import Workload, build_model, make_optimizer, rank_micro_batches, sample_losses  # noqa: E402
 
 VARIANTS = ("sized", "stream", "stream1", "sized2")
 
@@ -65,8 +65,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     w = Workload(model=args.model, batches=args.batches)
-    x, y = rank_data(w, rank)
-    batches = [(x[i:i + w.micro], y[i:i + w.micro]) for i in range(0, len(x), w.micro)]
+    batches = rank_micro_batches(w, rank)
     initial = copy.deepcopy(build_model(w.model).state_dict())
     factors = [int(f) for f in args.factors.split(",")]
     order = random.Random(0)

@@ -83,6 +83,12 @@ def rank_data(w: Workload, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
+def rank_micro_batches(w: Workload, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's (x, y) micro-batches of ``w.micro`` samples, in order."""
+    x, y = rank_data(w, rank)
+    return [(x[i:i + w.micro], y[i:i + w.micro]) for i in range(0, len(x), w.micro)]
+
+
 def sample_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Squared error per sample: the engine sums it, the usual loops take its mean per micro-batch."""
     return ((model(x) - y) ** 2).sum(-1)

@@ -94,14 +94,18 @@ def linear_decay(total: int):
     return lambda step: max(0.0, (total - step) / max(1, total))
 
 
-def reference(order=sequential_order, schedule=SCHEDULE, epochs: int = EPOCHS, max_grad_norm=MAX_GRAD_NORM):
-    """(parameters by name, optimizer steps) of the plain-torch large-batch run."""
-    rows = samples()
+def _fresh_run(schedule, epochs: int):
+    """(samples, model, AdamW, its linearly decaying LR over the schedule's step total) as every reference starts."""
     model = make_model()
     model.train()
-    total = total_steps(schedule, epochs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS, weight_decay=0.0)
-    lr_sched = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_decay(total))
+    lr_sched = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_decay(total_steps(schedule, epochs)))
+    return samples(), model, optimizer, lr_sched
+
+
+def reference(order=sequential_order, schedule=SCHEDULE, epochs: int = EPOCHS, max_grad_norm=MAX_GRAD_NORM):
+    """(parameters by name, optimizer steps) of the plain-torch large-batch run."""
+    rows, model, optimizer, lr_sched = _fresh_run(schedule, epochs)
     steps = 0
     for epoch, factor in enumerate(factors(schedule, epochs)):
         per_rank = [order(epoch, r) for r in range(WORLD)]
@@ -143,12 +147,7 @@ def amp_reference(dtype: torch.dtype, order=sequential_order, schedule=SCHEDULE,
     window run as they do on the ranks (same padding, autocast to ``dtype`` on CPU), their token-loss sums divided
     by the window's real target count; fp16 with torch's GradScaler (unscale, clip, step, update). Loss scales:
     the scaler's scale after each step (fp16), to show no step overflowed."""
-    rows = samples()
-    model = make_model()
-    model.train()
-    total = total_steps(schedule, epochs)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS, weight_decay=0.0)
-    lr_sched = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_decay(total))
+    rows, model, optimizer, lr_sched = _fresh_run(schedule, epochs)
     scaler = torch.amp.GradScaler("cpu", init_scale=FP16_INIT_SCALE, enabled=dtype == torch.float16)
     steps, scales = 0, []
     for epoch, factor in enumerate(factors(schedule, epochs)):

@@ -16,10 +16,12 @@ import os
 import time
 
 import pytest
-from test_elastic_run import DEADLINE_S, Agents, finished_like_the_reference, first_step_with
+from test_elastic_run import DEADLINE_S, Agents, finished_like_the_reference, lose_b_and_finish, two_agents_past
 
 from netns_nodes import NetnsNodes, NetnsUnavailable
 from slurm_cluster import slurm_required
+
+NODE = {"a": "elnode1", "b": "elnode2"}  # agent a on node 1 (the rendezvous store's host), b on node 2
 
 NODES = ["elnode1", "elnode2"]
 
@@ -49,14 +51,8 @@ def test_a_killed_host_leaves_the_other_host_to_finish_exactly(tmp_path, nodes):
     agents.host = nodes.addr["elnode1"]  # the store's host: node 1's own address, reached from node 2 over the bridge
     deadline = time.monotonic() + DEADLINE_S
     try:
-        agents.start("a", lambda argv: nodes.wrap("elnode1", argv))
-        agents.wait_until("node 1's rendezvous store", agents.listening, deadline)
-        agents.start("b", lambda argv: nodes.wrap("elnode2", argv))
-        agents.wait_until("step 5 on 2 workers", lambda: any(m["step"] >= 5 and m["factor"] == 3
-                                                             for m in agents.metrics()), deadline)
-        agents.kill("b")
-        reformed = first_step_with(agents, 6, 3, deadline, "a")
-        agents.wait_all(["a"], deadline)
+        two_agents_past(agents, 5, deadline, wrap=lambda name: (lambda argv: nodes.wrap(NODE[name], argv)))
+        reformed = lose_b_and_finish(agents, deadline)
     finally:
         agents.close()
     metrics = finished_like_the_reference(agents, world=1)

@@ -179,19 +179,30 @@ def first_step_with(agents, factor, before, deadline, alive):
     pytest.fail(f"no step at factor {factor}\n{agents.logs()}")
 
 
+def two_agents_past(agents, step, deadline, factor=3, wrap=lambda name: (lambda argv: argv)):
+    """Start agent a (its node holds the rendezvous store), then b, and wait until step ``step`` trains on both
+    (at ``factor``, None: any); ``wrap(name)`` wraps each agent's command line (a network-namespace node)."""
+    agents.start("a", wrap("a"))
+    agents.wait_until("the first agent's rendezvous store", agents.listening, deadline)
+    agents.start("b", wrap("b"))  # not the store's host: the rendezvous endpoint's node must stay (docs/elastic.md)
+    agents.wait_until(f"step {step} on 2 workers", lambda: any(
+        m["step"] >= step and factor in (None, m["factor"]) for m in agents.metrics()), deadline)
+
+
+def lose_b_and_finish(agents, deadline):
+    """SIGKILL agent b; a re-forms alone and finishes. Returns the seconds from the kill to its first step."""
+    agents.kill("b")
+    reformed = first_step_with(agents, 6, 3, deadline, "a")
+    agents.wait_all(["a"], deadline)
+    return reformed
+
+
 def test_a_killed_node_leaves_the_survivor_to_finish_exactly(tmp_path):
     agents = Agents(str(tmp_path), "1:2")
     deadline = time.monotonic() + DEADLINE_S
     try:
-        agents.start("a")
-        agents.wait_until("the first agent's rendezvous store", agents.listening, deadline)
-        agents.start("b")  # not the store's host: the rendezvous endpoint's node must stay (docs/elastic.md)
-        # both in (factor 3 = 48 / (8 x 2)), past the checkpoint of step 4
-        agents.wait_until("step 5 on 2 workers", lambda: any(m["step"] >= 5 and m["factor"] == 3
-                                                             for m in agents.metrics()), deadline)
-        agents.kill("b")
-        reformed = first_step_with(agents, 6, 3, deadline, "a")
-        agents.wait_all(["a"], deadline)
+        two_agents_past(agents, 5, deadline)  # both in (factor 3 = 48 / (8 x 2)), past the checkpoint of step 4
+        reformed = lose_b_and_finish(agents, deadline)
     finally:
         agents.close()
     metrics = finished_like_the_reference(agents, world=1)
@@ -205,11 +216,7 @@ def test_a_third_node_joins_a_running_two_node_job_exactly(tmp_path):
     agents = Agents(str(tmp_path), "2:3", delay_s="1.0")  # 3 s a step: the third agent starts in time (under load)
     deadline = time.monotonic() + DEADLINE_S
     try:
-        agents.start("a")
-        agents.wait_until("the first agent's rendezvous store", agents.listening, deadline)
-        agents.start("b")
-        agents.wait_until("step 3 on 2 workers", lambda: any(m["step"] >= 3 and m["factor"] == 3
-                                                             for m in agents.metrics()), deadline)
+        two_agents_past(agents, 3, deadline)
         agents.start("c")
         joined = first_step_with(agents, 2, 3, deadline, "a")
         agents.wait_all(["a", "b", "c"], deadline)
@@ -230,10 +237,7 @@ def test_a_factor_that_does_not_come_out_whole_is_one_line_and_exit_2_on_every_n
     agents = Agents(str(tmp_path), "2:3", accumulation="{schedule: {0: 1}}", delay_s="1.0")
     deadline = time.monotonic() + DEADLINE_S
     try:
-        agents.start("a")
-        agents.wait_until("the first agent's rendezvous store", agents.listening, deadline)
-        agents.start("b")
-        agents.wait_until("step 3 on 2 workers", lambda: any(m["step"] >= 3 for m in agents.metrics()), deadline)
+        two_agents_past(agents, 3, deadline, factor=None)
         agents.start("c")  # 1 x 2 / 3 workers: no whole factor keeps the global batch
         codes = {}
         for name in ("a", "b", "c"):
@@ -262,11 +266,7 @@ def test_an_invariant_sampler_keeps_uneven_windows_exact_through_a_lost_node(tmp
     agents = Agents(str(tmp_path), "1:2", delay_s="1.0", samples=101, epochs=4, sampler="invariant")
     deadline = time.monotonic() + DEADLINE_S
     try:
-        agents.start("a")
-        agents.wait_until("the first agent's rendezvous store", agents.listening, deadline)
-        agents.start("b")
-        agents.wait_until("step 3 on 2 workers", lambda: any(m["step"] >= 3 and m["factor"] == 3
-                                                             for m in agents.metrics()), deadline)
+        two_agents_past(agents, 3, deadline)
         agents.kill("b")
         agents.wait_all(["a"], deadline)
     finally:
