@@ -70,6 +70,7 @@ def test_fsdp2_every_rank_matches_the_reference(tmp_path, reference):
         assert got["allreduces"] == 0
 
 
+@pytest.mark.slow  # the fast tier's Accelerate reference is the DDP test above; fp16's is test_fp16_windows.py
 def test_fp16_with_the_accelerators_scaler_every_rank_matches_the_amp_reference(tmp_path):
     """Accelerate 1.16 on CPU takes mixed_precision="fp16" but neither autocasts nor makes a GradScaler (its
     native_amp stays off there): the forward runs under engine.autocast(), and make_engine hands the engine a
@@ -103,7 +104,8 @@ def test_bf16_from_the_accelerator_keeps_the_windows_exact_within_bf16_rounding(
         assert ref.gap(got["params"], amp_params) < 1e-2, (rank, ref.gap(got["params"], amp_params))
 
 
-@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2])
+@pytest.mark.slow  # as fp16 above: the DDP test is the fast tier's reference for make_engine
+@pytest.mark.parametrize("stage", (1, 2))
 def test_deepspeed_plugin_every_rank_matches_the_reference(tmp_path, reference, stage):
     """Accelerate's DeepSpeed plugin on CPU by public settings (cpu=False, InitProcessGroupKwargs(backend="gloo"),
     DS_ACCELERATOR=cpu): 2 processes, the loader sharded, DeepSpeed's engine owning the optimizer and stepping the
