@@ -28,12 +28,3 @@ def worker_env() -> dict:
     extra = [paths.ROOT, paths.TESTS] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(extra)}
 
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist's ``--dist loadgroup`` (how .ci/run runs the slow tier on two workers), a file's tests stay
-    on one worker, so its module-scoped runs are made once; the SLURM tests share one group, as they share the one
-    cluster a worker brings up (its daemons, ports and network namespaces exist once per machine)."""
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        group = "slurm" if path.startswith("tests/slurm/") else path
-        item.add_marker(pytest.mark.xdist_group(group))

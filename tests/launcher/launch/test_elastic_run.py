@@ -44,8 +44,10 @@ checkpoint: {{every_n_steps: 2, keep_last: 20, on_world_change: keep_global_batc
 logging: {{progress: plain, tensorboard: "off"}}
 """
 STEPS = 18  # 3 epochs x 6 windows
-# fast re-forming: torchrun waits last_call_timeout for more nodes once MIN are in (30 s by default)
-RDZV_CONF = "last_call_timeout=2,join_timeout=300"
+# torchrun waits last_call_timeout for more nodes once MIN are in (30 s by default). 10 s, not less: a node waiting
+# to join polls the store, and on a loaded machine (two tests side by side in CI) a 2 s last call closed the round
+# before the waiting third agent got in (seen: the join test's round re-formed without it)
+RDZV_CONF = "last_call_timeout=10,join_timeout=300"
 DELAY_S = "0.25"  # per micro-batch: a run of about 15 s at 2 workers, time to act mid-run
 DEADLINE_S = 420
 
