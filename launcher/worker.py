@@ -30,6 +30,7 @@ from launcher.config import load_config  # noqa: E402
 from launcher.errors import ConfigError  # noqa: E402
 from launcher.launch import failures  # noqa: E402
 from launcher.launch.env import as_torch_env  # noqa: E402
+from launcher.launch.forward import PREEMPTED_STATUS  # noqa: E402
 from launcher.launch.torchrun import ELASTIC_ENV  # noqa: E402
 from launcher.train import warning_lines  # noqa: E402
 from launcher.train.preempt import Preemption  # noqa: E402
@@ -77,9 +78,15 @@ def main(argv=None) -> int:
     except Exception as err:  # every rank stops; `accum-sched run` names the one that failed first
         failures.note(cfg.run.output_dir, int(os.environ.get("RANK", "0")), err)
         raise
+    # An elastic run's stop is a membership change: an agent stops its own workers (SIGTERM) to re-form the group,
+    # and the stop poll carries that stop to every rank, often before the other agents have seen the change. A
+    # worker stopped so must not exit 0: its agent would take the group for finished, wait at the exit barrier and
+    # leave the new round without it (seen in a CI run under load). Non-zero, the agent restarts it into the new
+    # round (one of --max-restarts); an agent that stopped its workers itself ignores their status.
+    status = PREEMPTED_STATUS if trainer.preempted and os.environ.get(ELASTIC_ENV) == "1" else 0
     del trainer  # first: tear_down collects it
     tear_down()
-    return 0
+    return status
 
 
 def join(cfg):

@@ -209,6 +209,7 @@ class Trainer:
         self.start = time.time()
         self.validation = self._make_validation()
         self.early_stopped = False
+        self.preempted = False  # set by stop_for_preemption (the worker's exit status in an elastic run)
 
     # -- building ---------------------------------------------------------------------------------------------
     def _make_loader(self):
@@ -454,7 +455,9 @@ class Trainer:
     def stop_for_preemption(self) -> None:
         """The ranks agreed to stop after this micro-batch (a preemption signal, launcher/train/preempt.py): commit its
         checkpoint (with the open window, if inside one), then rank 0 requeues the SLURM job, which resumes by
-        itself. The worker then exits 0: a preempted run is not a failed one (torchrun would restart it)."""
+        itself. The worker then exits 0: a preempted run is not a failed one (torchrun would restart it); in an
+        elastic run it exits non-zero instead (launcher/worker.py), so that its agent joins the re-formed group."""
+        self.preempted = True
         path = self.checkpointer.save("preempt")  # a no-op when this step is saved already (on_step)
         if self.rank != 0:
             return
