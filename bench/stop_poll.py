@@ -19,9 +19,7 @@ CPU, an upper bound). ``--backend``: ``fsdp`` (FSDP2, every Linear then the root
 from __future__ import annotations
 
 import argparse
-import copy
 import os
-import random
 import statistics
 import sys
 import time
@@ -32,7 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from accum_sched import AccumulationEngine  # noqa: E402
-from workload import Workload, build_model, make_optimizer, rank_micro_batches, sample_losses  # noqa: E402
+from workload import Workload, ab_inputs, build_model, make_optimizer, sample_losses  # noqa: E402
 
 VARIANTS = ("off", "on", "off2")
 
@@ -139,13 +137,7 @@ def main() -> None:
         from accum_sched.backends.deepspeed import ensure_torch_extensions_dir
 
         ensure_torch_extensions_dir()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    w = Workload(model=args.model, batches=args.batches)
-    batches = rank_micro_batches(w, rank)
-    initial = copy.deepcopy(build_model(w.model).state_dict())
-    factors = [int(f) for f in args.factors.split(",")]
-    order = random.Random(0)
+    rank, w, batches, initial, factors, order = ab_inputs(args.model, args.batches, args.factors)
     times = {f: {n: [] for n in VARIANTS} for f in factors}
     cpu_times = {f: {n: [] for n in VARIANTS} for f in factors}
     polls, stop_at = {f: {} for f in factors}, {}

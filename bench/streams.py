@@ -15,9 +15,7 @@ per epoch. Rank 0 prints.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
-import random
 import statistics
 import sys
 import time
@@ -30,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from accum_sched import AccumulationEngine  # noqa: E402
 from accum_sched.streams import READ_AHEAD  # noqa: E402
-from workload import Workload, build_model, make_optimizer, rank_micro_batches, sample_losses  # noqa: E402
+from workload import Workload, ab_inputs, build_model, make_optimizer, sample_losses  # noqa: E402
 
 VARIANTS = ("sized", "stream", "stream1", "sized2")
 
@@ -62,13 +60,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    w = Workload(model=args.model, batches=args.batches)
-    batches = rank_micro_batches(w, rank)
-    initial = copy.deepcopy(build_model(w.model).state_dict())
-    factors = [int(f) for f in args.factors.split(",")]
-    order = random.Random(0)
+    rank, w, batches, initial, factors, order = ab_inputs(args.model, args.batches, args.factors)
     times = {f: {n: [] for n in VARIANTS} for f in factors}
     collectives = {f: {} for f in factors}
     for _ in range(args.rounds):

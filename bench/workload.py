@@ -7,9 +7,12 @@ window: that is where the peers' normalisation differs from one large batch, and
 """
 from __future__ import annotations
 
+import copy
+import random
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 D_IN, D_OUT = 256, 16
@@ -87,6 +90,16 @@ def rank_micro_batches(w: Workload, rank: int) -> list[tuple[torch.Tensor, torch
     """This rank's (x, y) micro-batches of ``w.micro`` samples, in order."""
     x, y = rank_data(w, rank)
     return [(x[i:i + w.micro], y[i:i + w.micro]) for i in range(0, len(x), w.micro)]
+
+
+def ab_inputs(model: str, batches: int, factors: str):
+    """What a side-by-side A/B run starts from on this rank of a gloo group it joins: (rank, workload, this rank's
+    micro-batches, the model's initial state every variant restarts from, the factors, a seeded order shuffler)."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    w = Workload(model=model, batches=batches)
+    initial = copy.deepcopy(build_model(w.model).state_dict())
+    return rank, w, rank_micro_batches(w, rank), initial, [int(f) for f in factors.split(",")], random.Random(0)
 
 
 def sample_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
