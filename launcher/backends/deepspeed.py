@@ -361,7 +361,9 @@ def initialize(cfg, model, optimizer, lr_scheduler, world_size: int):
     """
     validate(cfg, world_size)
     _prepare_environment(world_size)
-    import deepspeed  # optional, and only the worker needs it (it imports torch)
+    from accum_sched.backends.deepspeed import import_deepspeed  # worker only: it imports torch
+
+    deepspeed = import_deepspeed()
     import torch.distributed as dist  # the worker's: config validation imports this module without torch
     from deepspeed.utils import logger as ds_logger  # optional, worker only
 

@@ -267,3 +267,20 @@ def test_the_deepspeed_helpers_are_exported_lazily():
                           cwd=ROOT, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "False"]
+
+
+@pytest.mark.slow
+def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_after():
+    """import_deepspeed() keeps DeepSpeed's autotuner from importing mlflow (about 1.6 s of every DeepSpeed worker's
+    start-up here); mlflow, installed with the test extra, imports normally afterwards."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("mlflow")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "DS_ACCELERATOR": "cpu"}
+    code = ("import sys; from accum_sched.backends.deepspeed import import_deepspeed; ds = import_deepspeed(); "
+            "from deepspeed.autotuning import autotuner; print(ds.__name__, 'mlflow' in sys.modules, "
+            "autotuner.has_mlflow); import mlflow; print(mlflow.__name__, sys.modules['mlflow'] is mlflow)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-5:] == ["deepspeed", "False", "False", "mlflow", "True"], done.stdout
