@@ -340,7 +340,7 @@ def test_every_python_block_is_one_a_test_runs():
 def test_ci_runs_the_readme_test_command_then_the_slow_tier():
     """The README's second command is the fast tier, and CI runs exactly that text before the slow tier."""
     command = (ROOT / "README.md").read_text().splitlines()[4]
-    assert command.endswith('.venv/bin/python -m pytest -q -m "not slow"'), command
+    assert command.endswith('.venv/bin/python -m pytest -q -m "not slow" -n 2 --dist loadfile'), command
     ci = (ROOT / ".ci" / "run").read_text()
     lines = ci.splitlines()
     readme_line = next((i for i, line in enumerate(lines) if line.startswith(command)), None)
