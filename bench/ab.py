@@ -27,8 +27,9 @@ DDP variants: ``hand`` (baseline: plain DDP, no comm hook, no_sync off the bound
 overlapping the last backward), ``hand_hook`` (the baseline with the library's counting comm hook, which wraps
 torch's Python allreduce hook: that one divides every bucket by the world size, one more pass), ``hand_sumhook``
 (the baseline with the least Python comm hook there is, a SUM all-reduce of the bucket and ``.then`` handing it
-back, the loss divided by the world size instead: what a Python hook costs by itself), ``stream`` / ``stream1``
-(``engine`` handed the same micro-batches as a generator without ``len()``: the stream path at read_ahead 4 / 1;
+back, the loss divided by the world size instead: what a Python hook costs by itself),
+``stream`` / ``stream1`` / ``stream8`` (``engine`` handed the same micro-batches as a generator without
+``len()``: the stream path at read_ahead 4 / 1 / 8;
 with ``--baseline engine`` the ratios read the stream's end agreement against the sized loader). ``--deepspeed
 STAGE``: ``alone`` (baseline: DeepSpeed's own GAS, step() every micro-batch), ``alone2`` (the same again) and
 ``engine`` (accum_sched driving the same DeepSpeed configuration).
@@ -204,7 +205,8 @@ def build_variant(name: str, args, w: Workload, schedule: dict):
 
 
 ENGINE_KWARGS = {"engine": {}, "engine2": {}, "engine_norm": {"norm_every": 1},
-                 "engine_nohook": {"count_allreduce": False}, "stream": {}, "stream1": {"read_ahead": 1}}
+                 "engine_nohook": {"count_allreduce": False}, "stream": {}, "stream1": {"read_ahead": 1},
+                 "stream8": {"read_ahead": 8}}
 
 
 def run_epoch(variants: dict, loader, factor: int, epoch: int, batches: int, order: random.Random) -> tuple[dict, dict]:
