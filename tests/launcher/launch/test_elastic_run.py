@@ -172,10 +172,11 @@ def first_step_with(agents, factor, before, deadline, alive):
     while agent ``alive`` runs."""
     began = time.monotonic()
     while time.monotonic() < deadline:
+        ended = agents.procs[alive].poll() is not None  # before the read: a group at full speed may finish between
         factors = [m["factor"] for m in agents.metrics()]
         if before in factors and factor in factors[factors.index(before):]:
             return time.monotonic() - began
-        if agents.procs[alive].poll() is not None:
+        if ended:
             break
         time.sleep(0.1)
     pytest.fail(f"no step at factor {factor}\n{agents.logs()}")
