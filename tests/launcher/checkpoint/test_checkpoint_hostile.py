@@ -317,34 +317,51 @@ def test_an_edited_manifest_is_named_and_skipped(tmp_path, name, edit, problem):
     assert problem in str(info.value) and "\n" not in str(info.value)
 
 
+def _commit_config(tmp, name, background: bool) -> str:
+    from test_checkpoint import CONFIG, DROPOUT
+
+    path = tmp / f"{name}.yaml"
+    path.write_text(CONFIG.format(out=tmp / name, args=DROPOUT, lr_scheduler="{name: cosine, warmup_steps: 2}")
+                    .replace("faulty_tasks:regression", "kill_commit_tasks:regression")
+                    .replace("keep_last: 3}", f"keep_last: 3, async: {str(background).lower()}}}"))
+    return str(path)
+
+
+def _commit_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FAULT_", "KILL_COMMIT_"))}
+    env["PYTHONPATH"] = ROOT + os.pathsep + paths.TESTS
+    return env
+
+
+def _run(*args, extra=None):
+    return subprocess.run([sys.executable, "-m", "launcher", "run", *args], cwd=paths.TESTS,
+                          env={**_commit_env(), **(extra or {})}, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_commit_run(tmp_path_factory):
+    """The run of the kill-in-commit config, uninterrupted, with synchronous checkpoints: its output directory.
+    Where checkpoints are written does not change the training, so it is also the asynchronous run's end."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    ref = _run(_commit_config(tmp, "ref", background=False))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return str(tmp / "ref")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
-def test_a_run_sigkilled_inside_a_checkpoint_commit_resumes_exactly(tmp_path, background):
+def test_a_run_sigkilled_inside_a_checkpoint_commit_resumes_exactly(tmp_path, uninterrupted_commit_run, background):
     """The whole run SIGKILLed (agent, and with it the workers) while rank 0 commits its third checkpoint, then
     `--resume`: the torn step-12.tmp is ignored, the run continues from step 8 and ends bit for bit where an
     uninterrupted run ends. With checkpoint.async the commit waits in the background thread while training goes
     on, until the next checkpoint waits for it."""
-    from test_checkpoint import CONFIG, DROPOUT, assert_same_bits, outputs
+    from test_checkpoint import assert_same_bits, outputs
 
     from launcher.launch import rundir
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FAULT_", "KILL_COMMIT_"))}
-    env["PYTHONPATH"] = ROOT + os.pathsep + paths.TESTS
-
-    def config(name):
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(CONFIG.format(out=tmp_path / name, args=DROPOUT, lr_scheduler="{name: cosine, warmup_steps: 2}")
-                        .replace("faulty_tasks:regression", "kill_commit_tasks:regression")
-                        .replace("keep_last: 3}", f"keep_last: 3, async: {str(background).lower()}}}"))
-        return str(path)
-
-    def accum(*args, extra=None):
-        return subprocess.run([sys.executable, "-m", "launcher", "run", *args], cwd=paths.TESTS,
-                              env={**env, **(extra or {})}, capture_output=True, text=True, timeout=300)
-
-    ref = accum(config("ref"))
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    cfg, run, marker = config("run"), tmp_path / "run", tmp_path / "committing"
+    env = _commit_env()
+    accum = _run
+    cfg, run, marker = _commit_config(tmp_path, "run", background), tmp_path / "run", tmp_path / "committing"
     victim = subprocess.Popen([sys.executable, "-m", "launcher", "run", cfg], cwd=paths.TESTS, start_new_session=True,
                               env={**env, "KILL_COMMIT_AT": "3", "KILL_COMMIT_MARKER": str(marker)},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -371,4 +388,4 @@ def test_a_run_sigkilled_inside_a_checkpoint_commit_resumes_exactly(tmp_path, ba
     resumed = accum(cfg, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {root / 'step-00000008'}" in resumed.stdout + resumed.stderr
-    assert_same_bits(str(run), outputs(str(tmp_path / "ref")))
+    assert_same_bits(str(run), outputs(uninterrupted_commit_run))
