@@ -29,7 +29,6 @@ def worker_env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(extra)}
 
 
-
 def pytest_configure(config):
     """Byte-compile this checkout's packages and test helpers once, in the controlling process: each launch starts
     a CLI, torchrun and a Python per worker, and where PYTHONDONTWRITEBYTECODE is set (as on the CI machine) each of

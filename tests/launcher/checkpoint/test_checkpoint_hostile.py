@@ -360,7 +360,6 @@ def test_a_run_sigkilled_inside_a_checkpoint_commit_resumes_exactly(tmp_path, un
     from launcher.launch import rundir
 
     env = _commit_env()
-    accum = _run
     cfg, run, marker = _commit_config(tmp_path, "run", background), tmp_path / "run", tmp_path / "committing"
     victim = subprocess.Popen([sys.executable, "-m", "launcher", "run", cfg], cwd=paths.TESTS, start_new_session=True,
                               env={**env, "KILL_COMMIT_AT": "3", "KILL_COMMIT_MARKER": str(marker)},
@@ -385,7 +384,7 @@ def test_a_run_sigkilled_inside_a_checkpoint_commit_resumes_exactly(tmp_path, un
     root = run / "checkpoints"
     assert sorted(os.listdir(root)) == ["step-00000004", "step-00000008", "step-00000012.tmp"]
     assert store.MANIFEST not in os.listdir(root / "step-00000012.tmp")  # torn: written, never committed
-    resumed = accum(cfg, "--resume")
+    resumed = _run(cfg, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {root / 'step-00000008'}" in resumed.stdout + resumed.stderr
     assert_same_bits(str(run), outputs(uninterrupted_commit_run))
