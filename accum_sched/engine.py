@@ -63,7 +63,7 @@ class AccumulationEngine:
     (:mod:`accum_sched.stop_poll`); ``stop_poll_every``: with ``"micro_batch"``, the ranks' stop poll communicates on
     every this many micro-batches (default 1: a stop within 2 micro-batches of the request; k: within 2k, at 1/k of
     the poll's all-reduces). ``norm_every``: measure the gradient norm every this many steps.
-    ``read_ahead``: streams' read-ahead per end-agreement all-reduce (:mod:`accum_sched.streams`).
+    ``read_ahead``: how far streams read ahead (:mod:`accum_sched.streams`).
     """
 
     def __init__(self, model, optimizer=None, schedule=1, *, backend=None, lr_scheduler=None,
@@ -112,6 +112,7 @@ class AccumulationEngine:
         self._rounds_offset = 0
         self._boundary = False  # the micro-batch handed out last ends its window
         self._filler = False  # the micro-batch handed out last is an EmptyMicroBatch's filler (zero weight)
+        self._stream_short = False  # this rank lacks a micro-batch its stream read ahead at this boundary
         self._want_norm = False  # whether the open window's gradient norm is measured
         self._prescale = 1.0  # loss multiplier of the open window (see _window_prescale)
         self._prescale_size = 1  # ... and the window size it assumed (a stream's window may end short)
@@ -216,10 +217,11 @@ class AccumulationEngine:
                 self._open_window(factor, size)
                 j, stop = self.micro_in_epoch - consumed, False
                 while j < size:
-                    item = feed.next()
+                    item = feed.next(j == size - 1)
                     if item is None:  # a stream ended on some rank (only at a window's start: the last was known)
                         break
                     batch, last = item
+                    self._stream_short = feed.short  # rides in the window's numbers (accum_sched.streams)
                     boundary = last or j == size - 1
                     yield from self._micro_batch(batch, boundary)
                     stop = self._after_micro_batch(consumed, j, boundary)
@@ -231,7 +233,7 @@ class AccumulationEngine:
                 if j == 0:
                     break
                 consumed += j
-                self._finish_window(epoch, factor, j)
+                feed.settle(self._finish_window(epoch, factor, j))
                 self.should_stop = self.should_stop or stop
         finally:
             feed.close()
@@ -346,7 +348,7 @@ class AccumulationEngine:
             self.norm_every is not None and (self.optimizer_steps + 1) % self.norm_every == 0))
         window = self.window
         stats = self._encode_stats(window.elements, window.samples, window.loss_sum(), self._stop_requested,
-                                   self.backend.stats_dtype, device)
+                                   self.backend.stats_dtype, device, self._stream_short)
         self.backend.send_window_stats(stats, self._want_norm)
 
     def train_epoch(self, loader: Iterable, loss_fn: Callable, epoch: int | None = None, *, skip: bool = True) -> None:
@@ -358,7 +360,8 @@ class AccumulationEngine:
             self.backward(loss_sum, n)
 
     # -- the step -----------------------------------------------------------------------------------------------
-    def _finish_window(self, epoch: int, factor: int, size: int) -> None:
+    def _finish_window(self, epoch: int, factor: int, size: int) -> bool:
+        """Step the window; returns whether some rank's stream lacked a micro-batch read ahead at its boundary."""
         totals = window_stats.read(self.backend, self._want_norm)
         skip, overflow, loss_scale = window_stats.verdict(totals, self.backend, self.nonfinite, epoch,
                                                           self.optimizer_steps + 1)
@@ -396,6 +399,7 @@ class AccumulationEngine:
             self.noise.after_step(self.optimizer_steps, noise, float(elements), size)
         self.window.close()
         self._report(info, overflow)
+        return totals.stream_short
 
     def _coefficient(self, size: int, elements: int) -> float:
         """What the window's gradient, as the collective left it, must be multiplied by to be the large-batch mean."""

@@ -2,8 +2,10 @@
 agreed on (:class:`SizedFeed`), or a stream without ``len()`` whose end they agree on as it comes
 (:class:`StreamFeed`, over :class:`accum_sched.streams.StreamReader`).
 
-Both answer ``next()`` with ``(batch, last)`` (``last``: the epoch's final micro-batch, known before its forward on
-every rank) or None once the epoch is over, and drop what a resume already trained when asked to (``skip``).
+Both answer ``next(boundary)`` with ``(batch, last)`` (``last``: the epoch's final micro-batch, known before its
+forward on every rank) or None once the epoch is over, and drop what a resume already trained when asked to
+(``skip``). ``boundary`` says the engine's window ends at that micro-batch: a stream then reads on, and its
+:attr:`short` flag rides in the window's numbers, whose sum the engine hands to ``settle()`` after the step.
 """
 from __future__ import annotations
 
@@ -57,6 +59,8 @@ class SizedFeed:
     ``skip``: the loader yields the whole epoch, and the first ``start`` are read and dropped; otherwise it starts
     at ``start`` already. ``promised``: what ``len()`` said (for the message when the loader ends early)."""
 
+    short = False  # nothing read ahead: nothing rides in the window's numbers
+
     def __init__(self, loader: Iterable, total: int, start: int, skip: bool, promised: int, epoch: int):
         self.total, self.position, self.promised, self.epoch = total, start, promised, epoch
         self._it = iter(loader) if start < total else iter(())
@@ -68,7 +72,7 @@ class SizedFeed:
     def ended(self) -> bool:
         return self.position >= self.total
 
-    def next(self):
+    def next(self, boundary: bool = False):
         if self.ended:
             return None
         try:
@@ -78,6 +82,9 @@ class SizedFeed:
                                f"len() promised {self.promised}") from None
         self.position += 1
         return batch, self.ended
+
+    def settle(self, some_short: bool) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -103,15 +110,26 @@ class StreamFeed:
         count(self._counted)
         self.ended = False
 
-    def next(self):
+    @property
+    def short(self) -> bool:
+        return self._reader.short
+
+    def next(self, boundary: bool = False):
         if self.ended:
             return None
-        item = self._reader.next()
+        item = self._reader.next(boundary)
+        self._recount()
+        self.ended = item is None or item[1]
+        return item
+
+    def settle(self, some_short: bool) -> None:
+        self._reader.settle(some_short)
+        self._recount()
+
+    def _recount(self) -> None:
         if self._reader.collectives != self._counted:
             self._count(self._reader.collectives - self._counted)
             self._counted = self._reader.collectives
-        self.ended = item is None or item[1]
-        return item
 
     def close(self) -> None:
         self._reader.close()

@@ -3,14 +3,27 @@ or not, on every rank alike.
 
 The epoch of a stream ends where the shortest rank's stream ends. Whether micro-batch ``i`` is the last must be known
 before its forward (it decides the gradient-sync context and the window's boundary), so the reader keeps micro-batches
-read ahead, ``read_ahead`` (R) of them at a time: it starts with R + 1 reads, and whenever what it holds drops to one
-micro-batch it reads R more. Each batch of reads is followed by one small asynchronous all-reduce (MAX of ``[has,
--has]`` per read, int64 on the side gloo group, CPU tensors: no device sync under NCCL) that tells every rank whether
-all ranks, or only some, have each of those micro-batches. The answer for ``i + 1`` is waited for when ``i`` is
-handed out; it was started at least one micro-batch earlier, so it ran while that one computed. So an epoch of
-``n >= 1`` micro-batches costs ``1 + (n - 1) // R`` such collectives (``n`` at R = 1) and holds at most R + 1
-micro-batches ahead; a loader whose length is known costs none (the map-style path agrees on the length once per
-epoch). The engine's default is :data:`READ_AHEAD`.
+read ahead, at most ``read_ahead + 1`` (R + 1) of them, and the ranks agree, per batch of reads, whether all ranks,
+or only some, have each of them (MAX of ``[has, -has]`` per read).
+
+Where that agreement travels:
+
+* **In the window's numbers** (the engine's path, :meth:`StreamReader.next` told ``boundary``). At each optimizer
+  boundary that is not the epoch's last micro-batch the reader tops what it holds up to R + 1, and this rank's one
+  flag "I lack one of these" joins the numbers the window sums anyway (:mod:`accum_sched.window_stats`: inside the
+  gradient all-reduce under DDP, in the step's one small all-reduce elsewhere). Every rank reads the sum at the step;
+  zero (every rank holds them all, the usual case) settles the batch with no collective of its own. Otherwise
+  (the shortest stream ends inside the batch) one all-reduce of the batch's flags says exactly where
+  (:meth:`StreamReader.settle`); after that the end is known and nothing more is read. At factors up to R an epoch
+  then costs two such collectives: the first batch's, and the one where the end comes into view.
+* **On its own**, one small asynchronous all-reduce (int64 on the side gloo group, CPU tensors: no device sync under
+  NCCL): the epoch's first R + 1 reads, and, when a window is longer than what is held (factor > R), R more reads
+  whenever what it holds drops to one micro-batch. The answer for ``i + 1`` is waited for when ``i`` is handed out;
+  it was started at least one micro-batch earlier, so it ran while that one computed. Without ``boundary`` (a
+  reader used on its own) this is the only path: ``1 + (n - 1) // R`` collectives for ``n >= 1`` micro-batches.
+
+A loader whose length is known costs none of this (the map-style path agrees on the length once per epoch). The
+engine's default is :data:`READ_AHEAD`.
 """
 from __future__ import annotations
 
@@ -23,7 +36,7 @@ import torch.distributed as dist
 
 from accum_sched import collective
 
-READ_AHEAD = 4  # the engine's default: one end-agreement all-reduce per 4 micro-batches, 5 held at most
+READ_AHEAD = 4  # the engine's default: 5 micro-batches held at most
 UNEVEN_HINT = ("give every rank a stream of the same length (shard it evenly) or set uneven='truncate', which "
                "ends the epoch where the shortest stream ends")
 
@@ -32,8 +45,11 @@ class StreamReader:
     """``next()`` gives ``(batch, last)``, ``last`` True on every rank for the epoch's final micro-batch; None once
     the epoch is over. ``uneven``: 'truncate' (warn once on rank 0, end at the shortest) or 'error' (raise
     :class:`accum_sched.collective.RankDisagreement` on every rank at the first micro-batch some rank lacks).
-    ``read_ahead``: micro-batches read per all-reduce (see the module's doc). ``first_index``: the epoch's
-    micro-batches before the iterator's first (a resumed epoch), so messages count the epoch's micro-batches."""
+    ``read_ahead``: R in the module's doc. ``first_index``: the epoch's micro-batches before the iterator's first
+    (a resumed epoch), so messages count the epoch's micro-batches.
+
+    With ``next(boundary=True)``, :attr:`short` is this rank's flag for the reads that ride in the window's numbers,
+    and :meth:`settle` must be called on every rank with their sum before the next ``next()``."""
 
     def __init__(self, iterator: Iterator, *, uneven: str = "truncate", context: str = "", read_ahead: int = 1,
                  first_index: int = 0):
@@ -52,10 +68,13 @@ class StreamReader:
         self.collectives = 0  # asynchronous all-reduces started
         self._index = 0  # of the next micro-batch handed out
         self._first = first_index
+        self._end_known = False  # an agreed batch of reads shows where the shortest stream ends: read no more
+        self._riding: _Flags | None = None  # reads whose flag rides in the window's numbers, until settle()
+        self.short = False  # this rank lacks one of those reads
         self._fill(read_ahead + 1)
 
-    def _fill(self, count: int) -> None:
-        """Read ``count`` micro-batches (None past the end) and start one all-reduce of their has-flags."""
+    def _read(self, count: int) -> tuple[list, list[int]]:
+        """Up to ``count`` micro-batches (None past the end) and their has-flags."""
         batches, has = [], []
         for _ in range(count):
             batch, got = None, 0
@@ -67,10 +86,40 @@ class StreamReader:
                     self._exhausted = True
             batches.append(batch)
             has.append(got)
-        flags = _Flags(torch.tensor(has + [-h for h in has], dtype=torch.int64), self._group)
+        return batches, has
+
+    def _fill(self, count: int) -> None:
+        """Read ``count`` micro-batches and start one all-reduce of their has-flags."""
+        batches, has = self._read(count)
+        self._hold(batches, _Flags(has, self, self._group))
+
+    def _hold(self, batches: list, flags: _Flags) -> None:
         self.collectives += flags.work is not None
         for i, batch in enumerate(batches):
             self._ahead.append((batch, i, flags))
+
+    def _ride(self) -> None:
+        """At a boundary: top what is held up to R + 1; the reads' flag rides in the window's numbers."""
+        count = self._chunk + 1 - len(self._ahead)
+        if self._end_known or count <= 0:
+            return
+        batches, has = self._read(count)
+        self._riding = _Flags(has, self, None)  # reduced by the window's numbers (see settle)
+        self.short = 0 in has
+        self._hold(batches, self._riding)
+
+    def settle(self, some_short: bool) -> None:
+        """The sum of every rank's :attr:`short` at the boundary (the same on every rank) is known: ``False``: every
+        rank holds every read of the batch; ``True``: one all-reduce of the batch's flags says which."""
+        flags, self._riding, self.short = self._riding, None, False
+        if flags is None:
+            return
+        if some_short:
+            self._end_known = True
+            flags.start(self._group)
+            self.collectives += flags.work is not None
+        else:
+            flags.agree_everyone_has()
 
     def _present(self, position: int) -> bool:
         """Whether every rank holds the micro-batch at ``position`` of the queue (waits for its all-reduce)."""
@@ -86,7 +135,11 @@ class StreamReader:
             self._warned = True
         return low == 1
 
-    def next(self):
+    def next(self, boundary: bool = False):
+        """``(batch, last)``, or None once the epoch is over. ``boundary``: the caller's window ends at this
+        micro-batch, and :meth:`settle` follows before the next call (the reads ride in the window's numbers)."""
+        if self._riding is not None:
+            raise RuntimeError("StreamReader.settle() must follow a boundary before the next micro-batch")
         if not self._ahead or not self._present(0):
             self.close()
             return None
@@ -95,7 +148,9 @@ class StreamReader:
         self._index += 1
         if last:
             self.close()
-        elif len(self._ahead) <= 1:  # only the next one left: read the following ones, flags in flight meanwhile
+        elif boundary:
+            self._ride()
+        elif len(self._ahead) <= 1 and not self._end_known:  # only the next one left: read on, flags in flight
             self._fill(self._chunk)
         return batch, last
 
@@ -104,16 +159,27 @@ class StreamReader:
         for _, _, flags in self._ahead:
             flags.wait()
         self._ahead.clear()
+        self._riding, self.short = None, False
 
 
 class _Flags:
-    """The has-flags of a batch of reads, MAX-reduced over ranks (asynchronously where there are ranks)."""
+    """The has-flags of a batch of reads, MAX-reduced over ranks (asynchronously where there are ranks), or, for
+    reads that ride in the window's numbers, settled by :meth:`agree_everyone_has` / :meth:`start`."""
 
-    def __init__(self, flags: torch.Tensor, group):
-        self.flags = flags
+    def __init__(self, has: list[int], reader: StreamReader, group):
+        self.flags = torch.tensor(has + [-h for h in has], dtype=torch.int64)
+        self._reader = reader
         self._values: list[int] | None = None  # the reduced flags, read once (a host tensor: no device sync)
-        self.work = None if group is None else dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group,
-                                                               async_op=True)
+        self.work = None
+        self.start(group)
+
+    def start(self, group) -> None:
+        if group is not None:
+            self.work = dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def agree_everyone_has(self) -> None:
+        k = len(self.flags) // 2
+        self._values = [1] * k + [-1] * k
 
     def wait(self) -> None:
         if self.work is not None:
@@ -123,10 +189,12 @@ class _Flags:
     def ranges(self, slot: int) -> tuple[int, int]:
         """(the most, the least) ranks' has-flag for read ``slot``: (1, 1) all have it, (1, 0) some, (0, 0) none."""
         values = self._values
+        k = len(self.flags) // 2
         if values is None:  # one read of the block's flags, not two tensor reads per question (two per micro-batch)
             self.wait()
             values = self._values = self.flags.tolist()
-        k = len(values) // 2
+            if min(-v for v in values[k:]) == 0:  # some rank lacks one: the end is in view (the same on every rank)
+                self._reader._end_known = True
         return values[slot], -values[k + slot]
 
 
