@@ -215,7 +215,7 @@ class AccumulationEngine:
                 factor = self._factor_for()
                 size = factor if total < 0 else min(factor, total - consumed)  # a stream's: full until it ends
                 self._open_window(factor, size)
-                j, stop = self.micro_in_epoch - consumed, False
+                j = self.micro_in_epoch - consumed
                 while j < size:
                     item = feed.next(j == size - 1)
                     if item is None:  # a stream ended on some rank (only at a window's start: the last was known)
@@ -224,8 +224,7 @@ class AccumulationEngine:
                     self._stream_short = feed.short  # rides in the window's numbers (accum_sched.streams)
                     boundary = last or j == size - 1
                     yield from self._micro_batch(batch, boundary)
-                    stop = self._after_micro_batch(consumed, j, boundary)
-                    if stop and not boundary:
+                    if self._after_micro_batch(consumed, j, boundary):  # a stop inside the window
                         return
                     j += 1
                     if boundary:
@@ -233,8 +232,7 @@ class AccumulationEngine:
                 if j == 0:
                     break
                 consumed += j
-                feed.settle(self._finish_window(epoch, factor, j))
-                self.should_stop = self.should_stop or stop
+                feed.settle(self._finish_window(epoch, factor, j))  # should_stop: the window's numbers say
         finally:
             feed.close()
         self._end_epoch(epoch)
@@ -268,11 +266,11 @@ class AccumulationEngine:
                                    "before taking the next one")
 
     def _after_micro_batch(self, consumed: int, j: int, boundary: bool) -> bool:
-        """Count it and poll the stop flag; off a boundary a stop leaves the window open (for state_dict()) and sets
-        should_stop. Returns the poll's answer."""
+        """Count it and, off a boundary (there the flag rides in the window's numbers), poll the stop flag: a stop
+        leaves the window open (for state_dict()) and sets should_stop. Returns the poll's answer."""
         self.micro_in_epoch = consumed + j + 1
-        stop = self._stop_poll is not None and self._stop_poll.poll(self._stop_requested)
-        if stop and not boundary:  # every rank stops here; the window stays open for state_dict()
+        stop = not boundary and self._stop_poll is not None and self._stop_poll.poll(self._stop_requested)
+        if stop:  # every rank stops here; the window stays open for state_dict()
             self.window.start = consumed
             self.should_stop = True
         return stop

@@ -32,7 +32,16 @@ back, the loss divided by the world size instead: what a Python hook costs by it
 ``len()``: the stream path at read_ahead 4 / 1 / 8;
 with ``--baseline engine`` the ratios read the stream's end agreement against the sized loader). ``--deepspeed
 STAGE``: ``alone`` (baseline: DeepSpeed's own GAS, step() every micro-batch), ``alone2`` (the same again) and
-``engine`` (accum_sched driving the same DeepSpeed configuration).
+``engine`` (accum_sched driving the same DeepSpeed configuration). ``--fsdp``: the engine on FSDP2 (every Linear,
+then the root sharded), variant ``engine``.
+
+Stop polling (``stop_at="micro_batch"``, as `accum-sched run` builds the engine): with ``--fsdp`` or ``--deepspeed
+STAGE`` and ``--baseline engine``, ``poll`` is the engine with the poll on, ``poll4`` with ``stop_poll_every=4``, and
+``engine2`` the engine again (the A/A row)::
+
+    torchrun --standalone --nproc_per_node 2 bench/ab.py --fsdp --factors 1,4 --baseline engine --variants poll,engine2
+    torchrun --standalone --nproc_per_node 2 bench/ab.py --deepspeed 2 --factors 1,4 --baseline engine \
+        --variants poll,engine2
 
 torch.compile (``run.compile``): ``compiled`` is ``engine`` with the model's forward compiled in place, as
 `accum-sched run` does it (launcher/backends/compile.py), before the DDP wrap; ``engine2`` is ``engine`` again. With
@@ -161,7 +170,7 @@ def build_variants(args, w: Workload, schedule: dict, order: random.Random) -> t
     """(baseline name, {name: variant}) in the order given; built in an order shuffled by ``order`` (seeded the same
     on every rank)."""
     wanted = args.variants.split(",")
-    baseline = args.baseline or ("alone" if args.deepspeed is not None else "hand")
+    baseline = args.baseline or ("alone" if args.deepspeed is not None else "engine" if args.fsdp else "hand")
     names = [baseline] + [n for n in wanted if n != baseline]
     built = {name: None for name in names}
     for name in order.sample(names, len(names)):
@@ -175,10 +184,18 @@ def build_variant(name: str, args, w: Workload, schedule: dict):
     if args.deepspeed is not None:
         if name in ("alone", "alone2"):
             return DeepSpeedAlone(_ds_engine(w, args.deepspeed, 1), w.world)
-        if name == "engine":
+        if name in POLL_KWARGS:
             return Engine(AccumulationEngine(_ds_engine(w, args.deepspeed, 1), None, schedule,
-                                             micro_batch_size=w.micro))
-        raise SystemExit(f"--variants: unknown variant {name!r} with --deepspeed (alone2, engine)")
+                                             micro_batch_size=w.micro, **POLL_KWARGS[name]))
+        raise SystemExit(f"--variants: unknown variant {name!r} with --deepspeed (alone2, {', '.join(POLL_KWARGS)})")
+    if args.fsdp:
+        if name in POLL_KWARGS:
+            from variants_fsdp import shard
+
+            model = shard(build_model(w.model))
+            return Engine(AccumulationEngine(model, make_optimizer(w, model.parameters()), schedule,
+                                             micro_batch_size=w.micro, **POLL_KWARGS[name]))
+        raise SystemExit(f"--variants: unknown variant {name!r} with --fsdp ({', '.join(POLL_KWARGS)})")
     if name in ("hand", "hand2", "hand_hook", "hand_sumhook"):
         model = build_model(w.model)
         ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
@@ -204,6 +221,9 @@ def build_variant(name: str, args, w: Workload, schedule: dict):
                      f"{', '.join(ENGINE_KWARGS)})")
 
 
+# the engine on FSDP2 or DeepSpeed: with the stop poll off (the engine's default), on, on every 4 micro-batches
+POLL_KWARGS = {"engine": {}, "engine2": {}, "poll": {"stop_at": "micro_batch"},
+               "poll4": {"stop_at": "micro_batch", "stop_poll_every": 4}}
 ENGINE_KWARGS = {"engine": {}, "engine2": {}, "engine_norm": {"norm_every": 1},
                  "engine_nohook": {"count_allreduce": False}, "stream": {}, "stream1": {"read_ahead": 1},
                  "stream8": {"read_ahead": 8}}
@@ -241,6 +261,8 @@ def main() -> None:
     parser.add_argument("--variants", default="engine,hand2")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--deepspeed", type=int, default=None, metavar="STAGE")
+    parser.add_argument("--fsdp", action="store_true", help="the engine on FSDP2 (variants engine, engine2, poll, "
+                        "poll4)")
     parser.add_argument("--baseline", default=None, help="the variant the others are timed against (default: hand, "
                         "or alone with --deepspeed)")
     args = parser.parse_args()
@@ -283,7 +305,7 @@ def main() -> None:
 
 
 def print_table(args, w: Workload, baseline: str, names: list, factors: list, wall: dict, cpu: dict) -> None:
-    what = f"DeepSpeed ZeRO-{args.deepspeed}" if args.deepspeed is not None else "DDP"
+    what = f"DeepSpeed ZeRO-{args.deepspeed}" if args.deepspeed is not None else "FSDP2" if args.fsdp else "DDP"
     print(f"model {args.model}, {what}, {args.batches} micro-batches of {w.micro} per rank per epoch, "
           f"{args.rounds - 1} rounds after a warm-up, window-interleaved; ratio = {baseline} time / variant "
           f"time; torch {torch.__version__}, {os.cpu_count()} CPUs")

@@ -36,16 +36,11 @@ VARIANTS = ("off", "on", "off2")
 
 
 def _fsdp(initial: dict, w: Workload):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from variants_fsdp import shard
 
     model = build_model(w.model)
     model.load_state_dict(initial)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for module in model:
-        if isinstance(module, torch.nn.Linear):
-            fully_shard(module, mesh=mesh)
-    model = fully_shard(model, mesh=mesh)
+    model = shard(model)
     return model, make_optimizer(w, model.parameters())
 
 

@@ -44,17 +44,21 @@ def _count_collectives(rec) -> None:
     rec.collectives = lambda: dict(counts)
 
 
-def _sharded(w: Workload):
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` under FSDP2 over every rank: every Linear, then the root (the process group is up)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo")
-    model = build_model(w.model)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for module in model:
         if isinstance(module, torch.nn.Linear):
             fully_shard(module, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def _sharded(w: Workload):
+    dist.init_process_group("gloo")
+    return shard(build_model(w.model))
 
 
 def _loader(w: Workload) -> DataLoader:

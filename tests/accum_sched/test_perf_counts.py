@@ -194,7 +194,9 @@ def _check_steps(counts, rank):
             assert len(big) >= 3, (rank, i, big)  # several buckets: the multi-bucket norm and carrier paths run
     flag_reads = [s for s in counts["syncs"] if s["where"] == STOP_FLAG_READ]
     flag_sums = [c for c in counts["colls"] if c[2] != "world"]
-    assert len(flag_reads) == len(flag_sums) == counts["micro_batches"], (len(flag_reads), len(flag_sums))
+    # one per micro-batch that ends no window (at a boundary the flag rides in the window's numbers)
+    off_boundary = counts["micro_batches"] - counts["optimizer_steps"]
+    assert len(flag_reads) == len(flag_sums) == off_boundary > 0, (len(flag_reads), len(flag_sums), off_boundary)
 
 
 @pytest.mark.slow
