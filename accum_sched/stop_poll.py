@@ -6,6 +6,10 @@ see the same sums in the same order, hence stop after the same micro-batch: at m
 the request reached a rank (the request joins the next poll, whose answer the poll after it reads). The flag is a
 CPU tensor on a gloo group of its own (:func:`collective.side_group`), so reading it is no device sync under NCCL.
 In one process the flag is read directly, at every micro-batch.
+
+The engine polls only at micro-batches that do not end a window: at a window's last one the stop flag rides in the
+window's numbers (:mod:`accum_sched.window_stats`), which the step sums on every rank anyway, so a stop requested
+before it lands at that boundary, and at factor 1 nothing is polled.
 """
 from __future__ import annotations
 
