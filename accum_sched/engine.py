@@ -224,7 +224,7 @@ class AccumulationEngine:
                     self._stream_short = feed.short  # rides in the window's numbers (accum_sched.streams)
                     boundary = last or j == size - 1
                     yield from self._micro_batch(batch, boundary)
-                    if self._after_micro_batch(consumed, j, boundary):  # a stop inside the window
+                    if self._after_micro_batch(consumed, j, 0 if boundary else size - 1 - j):  # a stop inside
                         return
                     j += 1
                     if boundary:
@@ -265,11 +265,11 @@ class AccumulationEngine:
                 raise RuntimeError("call engine.backward(loss_sum, n_elements) for every micro-batch "
                                    "before taking the next one")
 
-    def _after_micro_batch(self, consumed: int, j: int, boundary: bool) -> bool:
-        """Count it and, off a boundary (there the flag rides in the window's numbers), poll the stop flag: a stop
+    def _after_micro_batch(self, consumed: int, j: int, left: int) -> bool:
+        """Count it and poll the stop flag (``left``: the window's micro-batches after it, :class:`StopPoll`): a stop
         leaves the window open (for state_dict()) and sets should_stop. Returns the poll's answer."""
         self.micro_in_epoch = consumed + j + 1
-        stop = not boundary and self._stop_poll is not None and self._stop_poll.poll(self._stop_requested)
+        stop = self._stop_poll is not None and self._stop_poll.poll(self._stop_requested, left)
         if stop:  # every rank stops here; the window stays open for state_dict()
             self.window.start = consumed
             self.should_stop = True

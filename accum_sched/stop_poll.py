@@ -7,9 +7,12 @@ the request reached a rank (the request joins the next poll, whose answer the po
 CPU tensor on a gloo group of its own (:func:`collective.side_group`), so reading it is no device sync under NCCL.
 In one process the flag is read directly, at every micro-batch.
 
-The engine polls only at micro-batches that do not end a window: at a window's last one the stop flag rides in the
-window's numbers (:mod:`accum_sched.window_stats`), which the step sums on every rank anyway, so a stop requested
-before it lands at that boundary, and at factor 1 nothing is polled.
+The engine tells each poll how many micro-batches its window has left (``left``). At a window's last micro-batch
+(``left`` 0) nothing is polled: the stop flag rides in the window's numbers (:mod:`accum_sched.window_stats`), which
+the step sums on every rank anyway, so a stop requested before it lands at that boundary. Nor is a poll started
+whose answer would be read after that boundary (with ``every`` 1: the one at a window's last-but-one micro-batch):
+the boundary answers sooner. So a window of ``f`` micro-batches starts ``f - 2`` polls (none at factors 1 and 2),
+and a stop still lands within 2 micro-batches of the request.
 """
 from __future__ import annotations
 
@@ -30,18 +33,22 @@ class StopPoll:
         self._flag: torch.Tensor | None = None
         self._work = None
 
-    def poll(self, requested: bool) -> bool:
+    def poll(self, requested: bool, left: int | None = None) -> bool:
         """On every ``every``-th call: the answer to the poll started ``every`` calls earlier (False on the first);
-        starts the next unless it is True. Other calls: False, nothing communicated."""
+        starts the next unless it is True or it would be read after the window's end (``left``: the micro-batches
+        the window has after this one, the same on every rank; None: no window). Other calls: False, nothing
+        communicated. ``left`` 0 (a window's last micro-batch): False, and the call does not count."""
         if self.world_size == 1:
             return requested
+        if left == 0:
+            return False
         self._calls += 1
         self._asked = self._asked or requested
         if self._calls < self.every:
             return False
         self._calls, requested, self._asked = 0, self._asked, False
         agreed = self.drain()
-        if not agreed:
+        if not agreed and (left is None or left > self.every):  # read at the every-th call from now
             self._flag = torch.tensor([float(requested)], dtype=torch.float64)
             self._work = collective.all_sum_async(self._flag, group=self.group)
         return agreed

@@ -116,3 +116,42 @@ def test_stop_poll_every_must_be_a_positive_int():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="stop_poll_every"):
             AccumulationEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), stop_poll_every=bad)
+
+
+def _engine_stops_near_a_boundary(rank: int, world: int, out: str) -> None:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import cases
+    from accum_sched import AccumulationEngine
+
+    case = cases.Case("factor-4", {0: 4}, epochs=1, samples=(64,))  # 16 micro-batches: windows of 4
+    report = {}
+    for asked_at in (1, 2):  # the window's second micro-batch, or its last but one
+        model = cases.make_model(case)
+        engine = AccumulationEngine(DDP(model), cases.make_optimizer(case, model), case.schedule,
+                                    stop_at="micro_batch")
+        loss_fn = cases.loss_fn_for(case.kind)
+        with CollectiveCounter() as colls:
+            for index, batch in enumerate(engine.micro_batches(cases.rank_batches(case, rank, 0), 0)):
+                engine.backward(*loss_fn(engine.model, batch))
+                if rank == 1 and index == asked_at:
+                    engine.request_stop()
+        side = [call for call, group in zip(colls.calls, colls.groups) if group == "other"]
+        report[asked_at] = {"stopped_after": engine.micro_in_epoch, "open": engine.window_open, "polls": len(side),
+                            "steps": engine.optimizer_steps, "should_stop": engine.should_stop}
+        torch.distributed.barrier()
+    with open(os.path.join(out, f"near{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def test_no_poll_is_started_whose_answer_the_boundary_gives_sooner(tmp_path):
+    """Windows of 4: polls start at a window's first and second micro-batches only (the third's answer would come
+    after the fourth, whose window numbers carry the flag; the fourth, the boundary, polls nothing). A request at
+    the second stops every rank inside the window after the third; at the third, the boundary carries it and every
+    rank stops after the window's step."""
+    spawn(_engine_stops_near_a_boundary, 2, str(tmp_path), deadline_s=180)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"near{rank}.json").read_text())
+        assert got["1"] == {"stopped_after": 3, "open": True, "polls": 2, "steps": 0, "should_stop": True}, got
+        assert got["2"] == {"stopped_after": 4, "open": False, "polls": 2, "steps": 1, "should_stop": True}, got
