@@ -91,7 +91,7 @@ class StreamReader:
     def _fill(self, count: int) -> None:
         """Read ``count`` micro-batches and start one all-reduce of their has-flags."""
         batches, has = self._read(count)
-        self._hold(batches, _Flags(has, self, self._group))
+        self._hold(batches, _Flags(has, self._group))
 
     def _hold(self, batches: list, flags: _Flags) -> None:
         self.collectives += flags.work is not None
@@ -104,7 +104,7 @@ class StreamReader:
         if self._end_known or count <= 0:
             return
         batches, has = self._read(count)
-        self._riding = _Flags(has, self, None)  # reduced by the window's numbers (see settle)
+        self._riding = _Flags(has, None)  # reduced by the window's numbers (see settle)
         self.short = 0 in has
         self._hold(batches, self._riding)
 
@@ -125,6 +125,7 @@ class StreamReader:
         """Whether every rank holds the micro-batch at ``position`` of the queue (waits for its all-reduce)."""
         _, slot, flags = self._ahead[position]
         high, low = flags.ranges(slot)
+        self._end_known = self._end_known or flags.some_missing  # the same on every rank
         if high != low:
             message = (f"{self._context}: the ranks' streams end at different points (micro-batch "
                        f"{self._first + self._index + position} of the epoch is on some ranks only)")
@@ -166,10 +167,10 @@ class _Flags:
     """The has-flags of a batch of reads, MAX-reduced over ranks (asynchronously where there are ranks), or, for
     reads that ride in the window's numbers, settled by :meth:`agree_everyone_has` / :meth:`start`."""
 
-    def __init__(self, has: list[int], reader: StreamReader, group):
+    def __init__(self, has: list[int], group):
         self.flags = torch.tensor(has + [-h for h in has], dtype=torch.int64)
-        self._reader = reader
         self._values: list[int] | None = None  # the reduced flags, read once (a host tensor: no device sync)
+        self.some_missing = False  # once read: some rank lacks one of the reads (the end is in view)
         self.work = None
         self.start(group)
 
@@ -193,8 +194,7 @@ class _Flags:
         if values is None:  # one read of the block's flags, not two tensor reads per question (two per micro-batch)
             self.wait()
             values = self._values = self.flags.tolist()
-            if min(-v for v in values[k:]) == 0:  # some rank lacks one: the end is in view (the same on every rank)
-                self._reader._end_known = True
+            self.some_missing = min(-v for v in values[k:]) == 0
         return values[slot], -values[k + slot]
 
 
