@@ -181,21 +181,21 @@ def build_variants(args, w: Workload, schedule: dict, order: random.Random) -> t
 def build_variant(name: str, args, w: Workload, schedule: dict):
     from accum_sched import AccumulationEngine
 
-    if args.deepspeed is not None:
-        if name in ("alone", "alone2"):
+    if args.deepspeed is not None or args.fsdp:
+        if args.deepspeed is not None and name in ("alone", "alone2"):
             return DeepSpeedAlone(_ds_engine(w, args.deepspeed, 1), w.world)
-        if name in POLL_KWARGS:
-            return Engine(AccumulationEngine(_ds_engine(w, args.deepspeed, 1), None, schedule,
-                                             micro_batch_size=w.micro, **POLL_KWARGS[name]))
-        raise SystemExit(f"--variants: unknown variant {name!r} with --deepspeed (alone2, {', '.join(POLL_KWARGS)})")
-    if args.fsdp:
-        if name in POLL_KWARGS:
+        if name not in POLL_KWARGS:
+            known = ("alone2, " if args.deepspeed is not None else "") + ", ".join(POLL_KWARGS)
+            raise SystemExit(f"--variants: unknown variant {name!r} with {'--fsdp' if args.fsdp else '--deepspeed'} "
+                             f"({known})")
+        if args.fsdp:
             from variants_fsdp import shard
 
             model = shard(build_model(w.model))
-            return Engine(AccumulationEngine(model, make_optimizer(w, model.parameters()), schedule,
-                                             micro_batch_size=w.micro, **POLL_KWARGS[name]))
-        raise SystemExit(f"--variants: unknown variant {name!r} with --fsdp ({', '.join(POLL_KWARGS)})")
+            optimizer = make_optimizer(w, model.parameters())
+        else:  # a DeepSpeed engine owns its optimizer
+            model, optimizer = _ds_engine(w, args.deepspeed, 1), None
+        return Engine(AccumulationEngine(model, optimizer, schedule, micro_batch_size=w.micro, **POLL_KWARGS[name]))
     if name in ("hand", "hand2", "hand_hook", "hand_sumhook"):
         model = build_model(w.model)
         ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
@@ -264,7 +264,7 @@ def main() -> None:
     parser.add_argument("--fsdp", action="store_true", help="the engine on FSDP2 (variants engine, engine2, poll, "
                         "poll4)")
     parser.add_argument("--baseline", default=None, help="the variant the others are timed against (default: hand, "
-                        "or alone with --deepspeed)")
+                        "alone with --deepspeed, engine with --fsdp)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.deepspeed is not None:
