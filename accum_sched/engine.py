@@ -62,7 +62,8 @@ class AccumulationEngine:
     (:mod:`accum_sched.noise_tracking`). ``stop_at``: ``"boundary"`` or ``"micro_batch"``
     (:mod:`accum_sched.stop_poll`); ``stop_poll_every``: with ``"micro_batch"``, the ranks' stop poll communicates on
     every this many micro-batches (default 1: a stop within 2 micro-batches of the request; k: within 2k, at 1/k of
-    the poll's all-reduces). ``norm_every``: measure the gradient norm every this many steps.
+    the poll's all-reduces), ``stop_poll_min_ms``: and no more often than once per this many milliseconds of
+    training (default 0: no floor). ``norm_every``: measure the gradient norm every this many steps.
     ``read_ahead``: how far streams read ahead (:mod:`accum_sched.streams`).
     """
 
@@ -71,13 +72,13 @@ class AccumulationEngine:
                  nonfinite: str = "skip", precision: str | None = None, micro_batch_size: int | None = None,
                  lr_coupling: str = "none", noise_scale: bool = False, adaptive=None, stop_at: str = "boundary",
                  norm_every: int | None = None, read_ahead: int = streams.READ_AHEAD, co_scale: dict | None = None,
-                 stop_poll_every: int = 1, **backend_options):
+                 stop_poll_every: int = 1, stop_poll_min_ms: float = 0.0, **backend_options):
         self.schedule = AccumulationSchedule(schedule)
         engine_options.check(normalize=normalize, uneven=uneven, nonfinite=nonfinite, lr_coupling=lr_coupling,
                              stop_at=stop_at, norm_every=norm_every, max_grad_norm=max_grad_norm,
-                             read_ahead=read_ahead, stop_poll_every=stop_poll_every, adaptive=adaptive,
-                             schedule_given=self.schedule.milestones != AccumulationSchedule(1).milestones,
-                             noise_scale=noise_scale)
+                             read_ahead=read_ahead, stop_poll_every=stop_poll_every, stop_poll_min_ms=stop_poll_min_ms,
+                             adaptive=adaptive, noise_scale=noise_scale,
+                             schedule_given=self.schedule.milestones != AccumulationSchedule(1).milestones)
         noise_scale = noise_scale or adaptive is not None  # the adaptive factor follows the noise scale
         self.model = model
         self.normalize, self.uneven, self.nonfinite = normalize, uneven, nonfinite
@@ -123,7 +124,7 @@ class AccumulationEngine:
         # (and no per-micro-batch state of its own outside the gradients: the noise scale's sums are not saved)
         partial_ok = self.backend.capabilities.stop_mid_window and self.noise is None
         self.stop_at = stop_at if partial_ok else "boundary"
-        self._stop_poll = StopPoll(self.world_size, stop_poll_every) if self.stop_at == "micro_batch" else None
+        self._stop_poll = StopPoll.when(self.stop_at, self.world_size, stop_poll_every, stop_poll_min_ms)
 
     # -- public counters ----------------------------------------------------------------------------------------
     @property
@@ -134,8 +135,7 @@ class AccumulationEngine:
 
     @property
     def effective_batch(self) -> int | None:
-        """Samples per optimizer step at the current factor (``micro x factor x world``), if the micro-batch is
-        known."""
+        """Samples per optimizer step at the current factor (micro x factor x world), if the micro-batch is known."""
         return None if self.micro_batch_size is None else self.micro_batch_size * self.factor * self.world_size
 
     def on_step(self, callback: Callable[[StepInfo], None]) -> Callable[[StepInfo], None]:
@@ -346,7 +346,8 @@ class AccumulationEngine:
             self.norm_every is not None and (self.optimizer_steps + 1) % self.norm_every == 0))
         window = self.window
         stats = self._encode_stats(window.elements, window.samples, window.loss_sum(), self._stop_requested,
-                                   self.backend.stats_dtype, device, self._stream_short)
+                                   self.backend.stats_dtype, device, self._stream_short,
+                                   0 if self._stop_poll is None else self._stop_poll.stamp())
         self.backend.send_window_stats(stats, self._want_norm)
 
     def train_epoch(self, loader: Iterable, loss_fn: Callable, epoch: int | None = None, *, skip: bool = True) -> None:
@@ -361,6 +362,8 @@ class AccumulationEngine:
     def _finish_window(self, epoch: int, factor: int, size: int) -> bool:
         """Step the window; returns whether some rank's stream lacked a micro-batch read ahead at its boundary."""
         totals = window_stats.read(self.backend, self._want_norm)
+        if self._stop_poll is not None:  # its time floor, from the micro-batch times the numbers carried
+            self._stop_poll.agree(totals.micro_us)
         skip, overflow, loss_scale = window_stats.verdict(totals, self.backend, self.nonfinite, epoch,
                                                           self.optimizer_steps + 1)
         coef = self._coefficient(size, totals.elements)
@@ -376,16 +379,13 @@ class AccumulationEngine:
         lr = self.backend.lr() * lr_scale
         # a back end with its own batch bookkeeping (DeepSpeed's GAS, global_samples); a no-op elsewhere
         self.backend.on_window(factor, size, totals.samples)
-        if scale == 1.0:
-            self.backend.step(coef, self.max_grad_norm, totals.grad_norm, skip)
-        else:
-            self.backend.step(coef, self.max_grad_norm, totals.grad_norm, skip, lr_scale=scale)
+        step_kwargs = {} if scale == 1.0 else {"lr_scale": scale}
+        self.backend.step(coef, self.max_grad_norm, totals.grad_norm, skip, **step_kwargs)
         elements = totals.elements
         info = StepInfo(epoch=epoch, step=self.optimizer_steps + 1, factor=factor, micro_batches=size,
-                        elements=elements, samples=totals.samples,
-                        loss=totals.loss / elements if elements else float("nan"), lr=lr, grad_norm=grad_norm,
-                        skipped=skip, loss_scale=loss_scale, noise=noise,
-                        factor_reason=None if self.noise is None else self.noise.reason, beta2=beta2,
+                        elements=elements, samples=totals.samples, lr=lr, grad_norm=grad_norm,
+                        loss=totals.loss / elements if elements else float("nan"), skipped=skip, loss_scale=loss_scale,
+                        noise=noise, factor_reason=None if self.noise is None else self.noise.reason, beta2=beta2,
                         weight_decay=weight_decay)
         self.optimizer_steps += 1
         self.skipped_steps += int(skip)
@@ -436,8 +436,8 @@ class AccumulationEngine:
     def counters(self) -> dict:
         """Counters for summaries: steps, micro-batches, elements, samples, all-reduce rounds, factor, batch."""
         return {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
-                "overflow_steps": self.overflow_steps,
-                "micro_batches": self.micro_steps, "elements": self.elements, "samples": self.samples,
+                "overflow_steps": self.overflow_steps, "micro_batches": self.micro_steps, "elements": self.elements,
+                "samples": self.samples,
                 "allreduce_rounds": self.allreduce_rounds, "factor": self.factor,
                 "effective_batch": self.effective_batch, "stream_collectives": self.stream_collectives}
 

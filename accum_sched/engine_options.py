@@ -15,7 +15,7 @@ def _positive_int(value) -> bool:
 
 
 def check(*, normalize, uneven, nonfinite, lr_coupling, stop_at, norm_every, max_grad_norm, read_ahead,
-          stop_poll_every, schedule_given: bool, adaptive, noise_scale: bool) -> None:
+          stop_poll_every, stop_poll_min_ms, schedule_given: bool, adaptive, noise_scale: bool) -> None:
     for name, value, allowed in (("normalize", normalize, NORMALIZE), ("uneven", uneven, UNEVEN),
                                  ("nonfinite", nonfinite, NONFINITE), ("lr_coupling", lr_coupling, LR_COUPLING),
                                  ("stop_at", stop_at, STOP_AT)):
@@ -29,6 +29,10 @@ def check(*, normalize, uneven, nonfinite, lr_coupling, stop_at, norm_every, max
         raise ValueError(f"read_ahead={read_ahead!r} must be an int >= 1")
     if not _positive_int(stop_poll_every):
         raise ValueError(f"stop_poll_every={stop_poll_every!r} must be an int >= 1 (micro-batches per stop poll)")
+    if isinstance(stop_poll_min_ms, bool) or not isinstance(stop_poll_min_ms, (int, float)) or not (
+            0 <= stop_poll_min_ms < float("inf")):
+        raise ValueError(f"stop_poll_min_ms={stop_poll_min_ms!r} must be a number >= 0 (milliseconds between stop "
+                         f"polls at least; 0: no floor)")
     if adaptive is not None and schedule_given:
         raise ValueError("give either a schedule or adaptive=, not both")
     if lr_coupling == "adascale" and not (noise_scale or adaptive is not None):

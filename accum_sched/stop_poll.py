@@ -13,8 +13,19 @@ the step sums on every rank anyway, so a stop requested before it lands at that 
 whose answer would be read after that boundary (with ``every`` 1: the one at a window's last-but-one micro-batch):
 the boundary answers sooner. So a window of ``f`` micro-batches starts ``f - 2`` polls (none at factors 1 and 2),
 and a stop still lands within 2 micro-batches of the request.
+
+``min_ms`` (``stop_poll_min_ms``; 0: off) floors the time between polls instead of their count: at each window's end
+the ranks' micro-batch times ride in the window's numbers (:meth:`stamp`, summed there with no collective of their
+own) and every rank derives the same ``every`` from their sum (:meth:`agree`): at least ``stop_poll_every``, and
+enough micro-batches to span ``min_ms`` on the ranks' mean. Where micro-batches take longer than ``min_ms`` nothing
+changes; where they take a few milliseconds the poll's all-reduces fall to about one per ``min_ms`` and a stop lands
+within about ``2 x min_ms`` of training (or at the window's boundary, if that comes sooner). An engine's first window
+polls at ``stop_poll_every`` (its times are measured from its second micro-batch on).
 """
 from __future__ import annotations
+
+import math
+import time
 
 import torch
 
@@ -23,15 +34,23 @@ from accum_sched import collective
 
 class StopPoll:
     """``poll(requested)`` once per micro-batch on every rank; True (on every rank at once) when some rank asked.
-    ``every``: communicate on every this many calls only (a cheaper poll, a later stop)."""
+    ``every``: communicate on every this many calls only (a cheaper poll, a later stop); ``min_ms``: and on no more
+    calls than span that many milliseconds of training (see the module's text)."""
 
-    def __init__(self, world_size: int, every: int = 1):
-        self.world_size, self.every = world_size, every
+    def __init__(self, world_size: int, every: int = 1, min_ms: float = 0.0):
+        self.world_size, self.every, self.base_every, self.min_ms = world_size, every, every, min_ms
+        self._timed = world_size > 1 and min_ms > 0
+        self._since_stamp, self._stamped = 0, None  # calls since the last stamp(), and its time
         self._calls = 0  # polls since the last one that communicated (the same on every rank)
         self._asked = False  # a request seen on a call that did not communicate, for the next one that does
         self.group = collective.side_group() if world_size > 1 else None
         self._flag: torch.Tensor | None = None
         self._work = None
+
+    @classmethod
+    def when(cls, stop_at: str, world_size: int, every: int, min_ms: float) -> StopPoll | None:
+        """The engine's poll: one for ``stop_at="micro_batch"``, None for ``"boundary"`` (the window's numbers)."""
+        return cls(world_size, every, min_ms) if stop_at == "micro_batch" else None
 
     def poll(self, requested: bool, left: int | None = None) -> bool:
         """On every ``every``-th call: the answer to the poll started ``every`` calls earlier (False on the first);
@@ -40,6 +59,9 @@ class StopPoll:
         communicated. ``left`` 0 (a window's last micro-batch): False, and the call does not count."""
         if self.world_size == 1:
             return requested
+        self._since_stamp += 1
+        if self._stamped is None and self._timed:  # timing starts after the first micro-batch (start-up aside)
+            self._stamped, self._since_stamp = time.perf_counter(), 0
         if left == 0:
             return False
         self._calls += 1
@@ -52,6 +74,23 @@ class StopPoll:
             self._flag = torch.tensor([float(requested)], dtype=torch.float64)
             self._work = collective.all_sum_async(self._flag, group=self.group)
         return agreed
+
+    def stamp(self) -> int:
+        """This rank's mean micro-batch time since the last stamp in microseconds, for the window's numbers (called
+        at each window's last backward, before its poll call); 0 when not known (a first window of one or two
+        micro-batches) or not used."""
+        if not self._timed:
+            return 0
+        now, calls, last = time.perf_counter(), self._since_stamp, self._stamped
+        self._stamped, self._since_stamp = now, 0
+        return 0 if last is None or calls == 0 else max(1, round((now - last) * 1e6 / calls))
+
+    def agree(self, summed_us: float) -> None:
+        """Set ``every`` from the sum over ranks of :meth:`stamp` (the same on every rank, hence the same ``every``);
+        a sum of 0 (not known) keeps it."""
+        if self._timed and summed_us > 0:
+            mean_us = summed_us / self.world_size
+            self.every = max(self.base_every, math.ceil(self.min_ms * 1000.0 / mean_us))
 
     def drain(self) -> bool:
         """Wait for the poll in flight, if any; True if some rank had asked to stop."""

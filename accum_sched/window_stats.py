@@ -19,8 +19,16 @@ import torch
 
 DIGIT = 4096
 # elements (3 digits), samples (3 digits), stop flag, stream-short flag (a rank lacks some of the micro-batches a
-# stream read ahead at this boundary: accum_sched.streams), loss sum (NaN or infinite when a rank's was)
-SIZE = 9
+# stream read ahead at this boundary: accum_sched.streams), the rank's mean micro-batch time in microseconds (2
+# digits, capped at 16.7 s: accum_sched.stop_poll's time floor; 0 when not measured), loss sum (NaN or infinite when
+# a rank's was)
+SIZE = 11
+MICRO_US_MAX = DIGIT ** 2 - 1
+
+
+def _time_digits(micro_us: int) -> list[float]:
+    micro_us = min(int(micro_us), MICRO_US_MAX)
+    return [float(micro_us // DIGIT), float(micro_us % DIGIT)]
 
 
 def _digits(value: int) -> list[float]:
@@ -43,7 +51,7 @@ def _host_vector(values: list[float], device: torch.device, dtype: torch.dtype) 
 
 
 def encode(elements, samples: int, loss: torch.Tensor, stop: bool, dtype: torch.dtype,
-           device: torch.device | None = None, short: bool = False) -> torch.Tensor:
+           device: torch.device | None = None, short: bool = False, micro_us: int = 0) -> torch.Tensor:
     """The local vector of one window, on ``device`` (default: ``loss``'s), in ``dtype``.
 
     ``elements`` is an int or an integer-valued tensor (the sum of the loss functions' element counts), ``loss`` the
@@ -52,7 +60,7 @@ def encode(elements, samples: int, loss: torch.Tensor, stop: bool, dtype: torch.
     place (converted to ``dtype`` on the way).
     """
     device = loss.device if device is None else device
-    host = _digits(samples) + [float(stop), float(short), 0.0]
+    host = _digits(samples) + [float(stop), float(short)] + _time_digits(micro_us) + [0.0]
     if isinstance(elements, torch.Tensor):
         out = torch.cat([_tensor_digits(elements).to(device, dtype), _host_vector(host, device, dtype)])
     else:
@@ -67,7 +75,7 @@ _TYPECODES = {torch.float32: "f", torch.float64: "d"}
 class HostEncoder:
     """:func:`encode` into one CPU vector kept across windows, for the usual case (int counts, CPU, fp32/fp64).
 
-    The vector lives in a Python ``array`` that a tensor shares (``torch.frombuffer``), so the eight host numbers
+    The vector lives in a Python ``array`` that a tensor shares (``torch.frombuffer``), so the ten host numbers
     are written without building a tensor, and the loss is copied into a view of the last place made once: about
     16 us of CPU per window instead of ~40 us for a tensor built from a list and an indexed write (development
     machine, under load). Every back end has read the vector (summed it, or copied it into a bucket) by the end of
@@ -78,16 +86,16 @@ class HostEncoder:
         self._dtype = None
 
     def __call__(self, elements, samples: int, loss: torch.Tensor, stop: bool, dtype: torch.dtype,
-                 device: torch.device, short: bool = False) -> torch.Tensor:
+                 device: torch.device, short: bool = False, micro_us: int = 0) -> torch.Tensor:
         code = _TYPECODES.get(dtype)
         if device.type != "cpu" or code is None or isinstance(elements, torch.Tensor):
-            return encode(elements, samples, loss, stop, dtype, device, short)
+            return encode(elements, samples, loss, stop, dtype, device, short, micro_us)
         if dtype != self._dtype:
             self._host = array.array(code, bytes(SIZE * torch.empty((), dtype=dtype).element_size()))
             self._out = torch.frombuffer(self._host, dtype=dtype)
             self._loss_slot = self._out[SIZE - 1]
             self._dtype = dtype
-        flags = [float(stop), float(short)]
+        flags = [float(stop), float(short)] + _time_digits(micro_us)
         self._host[:SIZE - 1] = array.array(code, _digits(elements) + _digits(samples) + flags)
         self._loss_slot.copy_(loss.detach() if loss.dim() == 0 else loss.detach().reshape(()))
         return self._out
@@ -101,6 +109,7 @@ class WindowTotals:
     samples: int
     stop: bool
     stream_short: bool  # some rank lacks a micro-batch its stream read ahead at this boundary (accum_sched.streams)
+    micro_us: float  # sum over ranks of their mean micro-batch time in microseconds (0: not measured)
     loss: float  # sum over ranks of the window's losses
     nonfinite: bool  # a rank's loss was NaN or infinite (a sum with one NaN or inf in it is NaN or inf); the
     # gradient's own check is its norm, where it is measured
@@ -115,7 +124,8 @@ def decode(values: list[float]) -> WindowTotals:
     squared = values[SIZE] if len(values) > SIZE else None
     loss = values[SIZE - 1]
     return WindowTotals(elements=(d[0] * DIGIT + d[1]) * DIGIT + d[2], samples=(d[3] * DIGIT + d[4]) * DIGIT + d[5],
-                        stop=values[6] > 0, stream_short=values[7] > 0, loss=loss,
+                        stop=values[6] > 0, stream_short=values[7] > 0,
+                        micro_us=round(values[8]) * DIGIT + round(values[9]), loss=loss,
                         nonfinite=loss != loss or abs(loss) == float("inf"),
                         grad_norm=None if squared is None else squared ** 0.5)
 

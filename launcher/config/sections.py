@@ -266,6 +266,10 @@ class DistributedConfig(Section):
     stop_poll_every: int = key(1, train=False, check=at_least(1),
                                doc="the workers agree on a stop (preemption, Ctrl-C) every N micro-batches: a stop "
                                    "lands within 2N micro-batches, at 1/N of the one-number all-reduces")
+    stop_poll_min_ms: float = key(100.0, train=False, check=at_least(0),
+                                  doc="and no more often than once per this many milliseconds of training (measured "
+                                      "each window): micro-batches faster than that are polled every few, a stop "
+                                      "lands within about 2x this; 0: every N micro-batches whatever their time")
 
     @property
     def node_range(self) -> tuple[int, int]:

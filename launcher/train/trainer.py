@@ -261,8 +261,8 @@ class Trainer:
             max_grad_norm=cfg.optimizer.max_grad_norm, normalize=acc.normalize, uneven=acc.uneven,
             nonfinite=acc.nonfinite, precision=cfg.run.precision, micro_batch_size=cfg.data.micro_batch_size,
             lr_coupling=acc.lr_coupling, co_scale=acc.co_scale, noise_scale=acc.noise_scale, adaptive=self.adaptive,
-            stop_at="micro_batch",  # preemption within ~1 micro-batch (DeepSpeed fp16, noise scale: boundary)
-            stop_poll_every=cfg.distributed.stop_poll_every,
+            stop_at="micro_batch",  # preemption within ~2 polls (DeepSpeed fp16, noise scale: boundary)
+            stop_poll_every=cfg.distributed.stop_poll_every, stop_poll_min_ms=cfg.distributed.stop_poll_min_ms,
             norm_every=cfg.logging.log_every)
 
     def _make_validation(self):

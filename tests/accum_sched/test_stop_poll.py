@@ -155,3 +155,81 @@ def test_no_poll_is_started_whose_answer_the_boundary_gives_sooner(tmp_path):
         got = json.loads((tmp_path / f"near{rank}.json").read_text())
         assert got["1"] == {"stopped_after": 3, "open": True, "polls": 2, "steps": 0, "should_stop": True}, got
         assert got["2"] == {"stopped_after": 4, "open": False, "polls": 2, "steps": 1, "should_stop": True}, got
+
+
+def _floored(rank: int, world: int, out: str) -> None:
+    import time
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import cases
+    from accum_sched import AccumulationEngine
+
+    # one epoch of 24 micro-batches per rank in windows of 4, each micro-batch made to take >= 20 ms
+    case = cases.Case("factor-4", {0: 4}, epochs=1, samples=(96,))
+    plain = cases.loss_fn_for(case.kind)
+
+    def slow_loss(model, batch):
+        time.sleep(0.02)
+        return plain(model, batch)
+
+    report = {}
+    for name, min_ms, asked_at in (("floor", 1000.0, 9), ("under", 1.0, 9), ("whole", 1000.0, None)):
+        model = cases.make_model(case)
+        engine = AccumulationEngine(DDP(model), cases.make_optimizer(case, model), case.schedule,
+                                    stop_at="micro_batch", stop_poll_min_ms=min_ms)
+        every = []
+        engine.on_step(lambda info, engine=engine, every=every: every.append(engine._stop_poll.every))
+        with CollectiveCounter() as colls:
+            for index, batch in enumerate(engine.micro_batches(cases.rank_batches(case, rank, 0), 0)):
+                engine.backward(*slow_loss(engine.model, batch))
+                if rank == 1 and index == asked_at:  # the third window's second micro-batch
+                    engine.request_stop()
+        side = [call for call, group in zip(colls.calls, colls.groups) if group == "other"]
+        report[name] = {"stopped_after": engine.micro_in_epoch, "open": engine.window_open, "polls": len(side),
+                        "steps": engine.optimizer_steps, "every": every,
+                        "params": [p.tolist() for p in cases.params(model)]}
+        torch.distributed.barrier()
+    with open(os.path.join(out, f"floor{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def test_a_time_floor_polls_fast_micro_batches_less_and_stops_at_the_boundary(tmp_path):
+    """stop_poll_min_ms on 2 gloo ranks, micro-batches of >= 20 ms in windows of 4: with a 1000 ms floor the first
+    window polls as stop_poll_every says (2 polls: no time is known yet), then every rank derives the same larger
+    ``every`` from the window's summed times (between 4 and 50: a micro-batch takes 20 ms to 250 ms here) and no
+    window polls again; a stop asked in the third window lands at its boundary, after its step. With a 1 ms floor
+    (micro-batches slower than it) nothing changes: 2 polls per window, the stop lands inside the window. An
+    uninterrupted floored run ends allclose to the plain-torch large-batch reference on every rank."""
+    import torch
+
+    import cases
+
+    spawn(_floored, 2, str(tmp_path), deadline_s=240)
+    got = [json.loads((tmp_path / f"floor{rank}.json").read_text()) for rank in range(2)]
+    for rank in range(2):
+        floor, under, whole = got[rank]["floor"], got[rank]["under"], got[rank]["whole"]
+        assert {k: floor[k] for k in ("stopped_after", "open", "polls", "steps")} == {
+            "stopped_after": 12, "open": False, "polls": 2, "steps": 3}, (rank, floor)
+        assert all(4 <= k <= 50 for k in floor["every"]), (rank, floor["every"])
+        assert floor["every"] == got[0]["floor"]["every"], "the ranks derived different polls"
+        assert {k: under[k] for k in ("stopped_after", "open", "polls", "steps")} == {
+            "stopped_after": 11, "open": True, "polls": 6, "steps": 2}, (rank, under)
+        assert under["every"] == [1, 1], (rank, under["every"])
+        assert whole["polls"] == 2 and whole["steps"] == 6 and len(whole["every"]) == 6, (rank, whole)
+        case = cases.Case("factor-4", {0: 4}, epochs=1, samples=(96,))
+        for p, r in zip(whole["params"], cases.params(cases.reference(case, 2))):
+            assert torch.allclose(torch.tensor(p), r, atol=1e-6), rank
+
+
+def test_stop_poll_min_ms_must_be_a_number_at_least_0():
+    import pytest
+    import torch
+
+    from accum_sched import AccumulationEngine
+
+    model = torch.nn.Linear(2, 1)
+    for bad in (-1, float("nan"), float("inf"), "5", True):
+        with pytest.raises(ValueError, match="stop_poll_min_ms"):
+            AccumulationEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), stop_poll_min_ms=bad)

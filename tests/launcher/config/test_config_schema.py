@@ -72,6 +72,7 @@ def test_set_reaches_any_key_by_its_dotted_path(tmp_path):
                                                              "min_factor 4; give max_factor >= min_factor"),
     ("eval.early_stop={patience: 0}", "error: eval.early_stop.patience: must be >= 1, got 0"),
     ("distributed.stop_poll_every=0", "error: distributed.stop_poll_every: must be >= 1, got 0"),
+    ("distributed.stop_poll_min_ms=-5", "error: distributed.stop_poll_min_ms: must be >= 0, got -5"),
     ("logging.wandb={projct: p}", "error: logging.wandb.projct: unknown key; did you mean 'project'?"),
     ("logging.mlflow={run_name: r}", "error: logging.mlflow.experiment: is required"),
     ("run.compile=[1]", "error: run.compile: expected true or false or a mapping, got [1]"),
