@@ -277,7 +277,8 @@ def test_sigterm_mid_epoch_stops_inside_the_window_and_resume_equals_uninterrupt
     accum("run", ref, env={"RECORD_DIR": str(tmp_path / "ref-rec")})
     cfg = numbers_config(tmp_path, "run", args="{shardable: true}", schedule={0: 3})
     fault = {"FAULT_MODE": "term", "FAULT_RANK": "0", "FAULT_AT": "7", "FAULT_MARKER": str(tmp_path / "marker")}
-    stopped = accum("run", cfg, env=fault, expect=None)
+    # no time floor on the poll (its micro-batches take well under its default 100 ms: it would stop at the boundary)
+    stopped = accum("run", cfg, "--set", "distributed.stop_poll_min_ms=0", env=fault, expect=None)
     assert stopped.returncode in (0, 75), stopped.stdout[-3000:] + stopped.stderr[-3000:]
     # rank 0 signalled itself at its 7th micro-batch, the first of step 3's window: the stop is agreed inside it
     assert "preempted at step 2: checkpoint saved" in stopped.stdout and "inside a window" in stopped.stdout
