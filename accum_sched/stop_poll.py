@@ -17,10 +17,12 @@ and a stop still lands within 2 micro-batches of the request.
 ``min_ms`` (``stop_poll_min_ms``; 0: off) floors the time between polls instead of their count: at each window's end
 the ranks' micro-batch times ride in the window's numbers (:meth:`stamp`, summed there with no collective of their
 own) and every rank derives the same ``every`` from their sum (:meth:`agree`): at least ``stop_poll_every``, and
-enough micro-batches to span ``min_ms`` on the ranks' mean. Where micro-batches take longer than ``min_ms`` nothing
-changes; where they take a few milliseconds the poll's all-reduces fall to about one per ``min_ms`` and a stop lands
-within about ``2 x min_ms`` of training (or at the window's boundary, if that comes sooner). An engine's first window
-polls at ``stop_poll_every`` (its times are measured from its second micro-batch on).
+enough micro-batches to span ``min_ms`` on the ranks' mean. A window is timed inside itself, from its first
+micro-batch's end to its last backward (the step and whatever runs between windows are left out), so windows of 1
+or 2 micro-batches, which start no poll anyway, measure nothing and change nothing. Where micro-batches take longer
+than ``min_ms`` nothing changes; where they take a few milliseconds the poll's all-reduces fall to about one per
+``min_ms`` and a stop lands within about ``2 x min_ms`` of training (or at the window's boundary, if that comes
+sooner). An engine's first window of 3 or more micro-batches polls at ``stop_poll_every`` while it is measured.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ class StopPoll:
     def __init__(self, world_size: int, every: int = 1, min_ms: float = 0.0):
         self.world_size, self.every, self.base_every, self.min_ms = world_size, every, every, min_ms
         self._timed = world_size > 1 and min_ms > 0
-        self._since_stamp, self._stamped = 0, None  # calls since the last stamp(), and its time
+        self._window_t0, self._window_calls = None, 0  # the open window's first poll call: its time, calls since
         self._calls = 0  # polls since the last one that communicated (the same on every rank)
         self._asked = False  # a request seen on a call that did not communicate, for the next one that does
         self.group = collective.side_group() if world_size > 1 else None
@@ -59,9 +61,13 @@ class StopPoll:
         communicated. ``left`` 0 (a window's last micro-batch): False, and the call does not count."""
         if self.world_size == 1:
             return requested
-        self._since_stamp += 1
-        if self._stamped is None and self._timed:  # timing starts after the first micro-batch (start-up aside)
-            self._stamped, self._since_stamp = time.perf_counter(), 0
+        if self._timed:  # time the window from its first micro-batch's end (the step and data between windows aside)
+            if left == 0:
+                self._window_t0 = None
+            elif self._window_t0 is None:
+                self._window_t0, self._window_calls = time.perf_counter(), 0
+            else:
+                self._window_calls += 1
         if left == 0:
             return False
         self._calls += 1
@@ -76,14 +82,11 @@ class StopPoll:
         return agreed
 
     def stamp(self) -> int:
-        """This rank's mean micro-batch time since the last stamp in microseconds, for the window's numbers (called
-        at each window's last backward, before its poll call); 0 when not known (a first window of one or two
-        micro-batches) or not used."""
-        if not self._timed:
+        """This rank's mean micro-batch time in the window ending now, in microseconds, for its numbers (called at the
+        window's last backward, before its poll call); 0 when not measured (a window of 1 or 2, or no floor)."""
+        if not self._timed or self._window_t0 is None or self._window_calls == 0:
             return 0
-        now, calls, last = time.perf_counter(), self._since_stamp, self._stamped
-        self._stamped, self._since_stamp = now, 0
-        return 0 if last is None or calls == 0 else max(1, round((now - last) * 1e6 / calls))
+        return max(1, round((time.perf_counter() - self._window_t0) * 1e6 / self._window_calls))
 
     def agree(self, summed_us: float) -> None:
         """Set ``every`` from the sum over ranks of :meth:`stamp` (the same on every rank, hence the same ``every``);

@@ -36,12 +36,14 @@ STAGE``: ``alone`` (baseline: DeepSpeed's own GAS, step() every micro-batch), ``
 then the root sharded), variant ``engine``.
 
 Stop polling (``stop_at="micro_batch"``, as `accum-sched run` builds the engine): with ``--fsdp`` or ``--deepspeed
-STAGE`` and ``--baseline engine``, ``poll`` is the engine with the poll on, ``poll4`` with ``stop_poll_every=4``, and
-``engine2`` the engine again (the A/A row)::
+STAGE`` and ``--baseline engine``, ``poll`` is the engine with the poll on as `accum-sched run` runs it (the config's
+defaults: ``stop_poll_min_ms`` 100), ``poll1`` on at every micro-batch with no time floor, ``poll4`` with
+``stop_poll_every=4`` (no floor), and ``engine2`` the engine again (the A/A row)::
 
-    torchrun --standalone --nproc_per_node 2 bench/ab.py --fsdp --factors 1,4 --baseline engine --variants poll,engine2
+    torchrun --standalone --nproc_per_node 2 bench/ab.py --fsdp --factors 1,4 --baseline engine \
+        --variants poll,engine2,poll1
     torchrun --standalone --nproc_per_node 2 bench/ab.py --deepspeed 2 --factors 1,4 --baseline engine \
-        --variants poll,engine2
+        --variants poll,engine2,poll1
 
 torch.compile (``run.compile``): ``compiled`` is ``engine`` with the model's forward compiled in place, as
 `accum-sched run` does it (launcher/backends/compile.py), before the DDP wrap; ``engine2`` is ``engine`` again. With
@@ -221,8 +223,18 @@ def build_variant(name: str, args, w: Workload, schedule: dict):
                      f"{', '.join(ENGINE_KWARGS)})")
 
 
-# the engine on FSDP2 or DeepSpeed: with the stop poll off (the engine's default), on, on every 4 micro-batches
-POLL_KWARGS = {"engine": {}, "engine2": {}, "poll": {"stop_at": "micro_batch"},
+def _run_poll() -> dict:
+    """The stop poll as `accum-sched run` builds it: the config's defaults (launcher/train/trainer.py)."""
+    from launcher.config.sections import DistributedConfig
+
+    fields = DistributedConfig.model_fields
+    return {"stop_at": "micro_batch", "stop_poll_every": fields["stop_poll_every"].default,
+            "stop_poll_min_ms": fields["stop_poll_min_ms"].default}
+
+
+# the engine on FSDP2 or DeepSpeed: with the stop poll off (the engine's default), on as `accum-sched run` runs it
+# (a 100 ms time floor), on at every micro-batch (no floor: the default before it), on every 4 micro-batches
+POLL_KWARGS = {"engine": {}, "engine2": {}, "poll": _run_poll(), "poll1": {"stop_at": "micro_batch"},
                "poll4": {"stop_at": "micro_batch", "stop_poll_every": 4}}
 ENGINE_KWARGS = {"engine": {}, "engine2": {}, "engine_norm": {"norm_every": 1},
                  "engine_nohook": {"count_allreduce": False}, "stream": {}, "stream1": {"read_ahead": 1},
