@@ -12,7 +12,8 @@ The engine tells each poll how many micro-batches its window has left (``left``)
 the step sums on every rank anyway, so a stop requested before it lands at that boundary. Nor is a poll started
 whose answer would be read after that boundary (with ``every`` 1: the one at a window's last-but-one micro-batch):
 the boundary answers sooner. So a window of ``f`` micro-batches starts ``f - 2`` polls (none at factors 1 and 2),
-and a stop still lands within 2 micro-batches of the request.
+and a stop still lands within 2 micro-batches of the request. Each window counts its calls afresh: with ``every``
+k its polls sit at its k-th, 2k-th, ... micro-batches, and a window of up to 2k starts none.
 
 ``min_ms`` (``stop_poll_min_ms``; 0: off) floors the time between polls instead of their count: at each window's end
 the ranks' micro-batch times ride in the window's numbers (:meth:`stamp`, summed there with no collective of their
@@ -58,7 +59,8 @@ class StopPoll:
         """On every ``every``-th call: the answer to the poll started ``every`` calls earlier (False on the first);
         starts the next unless it is True or it would be read after the window's end (``left``: the micro-batches
         the window has after this one, the same on every rank; None: no window). Other calls: False, nothing
-        communicated. ``left`` 0 (a window's last micro-batch): False, and the call does not count."""
+        communicated. ``left`` 0 (a window's last micro-batch): False, and the count starts again with the next
+        window (a request not yet sent went in the window's numbers)."""
         if self.world_size == 1:
             return requested
         if self._timed:  # time the window from its first micro-batch's end (the step and data between windows aside)
@@ -68,7 +70,8 @@ class StopPoll:
                 self._window_t0, self._window_calls = time.perf_counter(), 0
             else:
                 self._window_calls += 1
-        if left == 0:
+        if left == 0:  # the boundary: the next window counts its calls afresh (its polls at its k-th, 2k-th, ...)
+            self._calls, self._asked = 0, False
             return False
         self._calls += 1
         self._asked = self._asked or requested

@@ -227,9 +227,9 @@ def _run_poll() -> dict:
     """The stop poll as `accum-sched run` builds it: the config's defaults (launcher/train/trainer.py)."""
     from launcher.config.sections import DistributedConfig
 
-    fields = DistributedConfig.model_fields
-    return {"stop_at": "micro_batch", "stop_poll_every": fields["stop_poll_every"].default,
-            "stop_poll_min_ms": fields["stop_poll_min_ms"].default}
+    defaults = DistributedConfig()
+    return {"stop_at": "micro_batch", "stop_poll_every": defaults.stop_poll_every,
+            "stop_poll_min_ms": defaults.stop_poll_min_ms}
 
 
 # the engine on FSDP2 or DeepSpeed: with the stop poll off (the engine's default), on as `accum-sched run` runs it
@@ -296,6 +296,7 @@ def main() -> None:
     schedule = {0: 1, **{1 + i: f for i, f in enumerate(factors)}}
     order = random.Random(0)
     wall, cpu, names = {f: {} for f in factors}, {f: {} for f in factors}, None
+    every = {f: {} for f in factors}
     for _ in range(args.rounds):
         baseline, variants = build_variants(args, w, schedule, order)
         names = names or list(variants)
@@ -305,6 +306,9 @@ def main() -> None:
             for name in names:
                 wall[factor].setdefault(name, []).append(epoch_wall[name])
                 cpu[factor].setdefault(name, []).append(epoch_cpu[name])
+                poll = getattr(getattr(variants[name], "engine", None), "_stop_poll", None)
+                if poll is not None:  # the poll's interval at the epoch's end (its time floor's choice)
+                    every[factor].setdefault(name, []).append(poll.every)
         del variants
     for factor in factors:  # CPU seconds of both ranks: the work done, whatever the waiting for a busy machine
         for name in names:
@@ -312,11 +316,12 @@ def main() -> None:
             dist.all_reduce(t)
             cpu[factor][name] = t.tolist()
     if rank == 0:
-        print_table(args, w, baseline, names, factors, wall, cpu)
+        print_table(args, w, baseline, names, factors, wall, cpu, every)
     dist.destroy_process_group()
 
 
-def print_table(args, w: Workload, baseline: str, names: list, factors: list, wall: dict, cpu: dict) -> None:
+def print_table(args, w: Workload, baseline: str, names: list, factors: list, wall: dict, cpu: dict,
+                every: dict) -> None:
     what = f"DeepSpeed ZeRO-{args.deepspeed}" if args.deepspeed is not None else "FSDP2" if args.fsdp else "DDP"
     print(f"model {args.model}, {what}, {args.batches} micro-batches of {w.micro} per rank per epoch, "
           f"{args.rounds - 1} rounds after a warm-up, window-interleaved; ratio = {baseline} time / variant "
@@ -331,7 +336,9 @@ def print_table(args, w: Workload, baseline: str, names: list, factors: list, wa
             print(f"factor {factor} {name:14s} wall {statistics.median(ratios):.3f} "
                   f"[{min(ratios):.3f}-{max(ratios):.3f}]  cpu {statistics.median(cpu_ratios):.3f} "
                   f"[{min(cpu_ratios):.3f}-{max(cpu_ratios):.3f}]  {baseline} epoch "
-                  f"{statistics.median(base_w):.3f} s", flush=True)
+                  f"{statistics.median(base_w):.3f} s" + (
+                      f"  poll every {min(every[factor][name])}-{max(every[factor][name])}" if name in every[factor]
+                      else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -233,3 +233,29 @@ def test_stop_poll_min_ms_must_be_a_number_at_least_0():
     for bad in (-1, float("nan"), float("inf"), "5", True):
         with pytest.raises(ValueError, match="stop_poll_min_ms"):
             AccumulationEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), stop_poll_min_ms=bad)
+
+
+def _polls_in_windows(rank: int, world: int, out: str) -> None:
+    from accum_sched.stop_poll import StopPoll
+
+    report = {}
+    for size in (4, 5, 8):
+        with CollectiveCounter() as colls:
+            poll = StopPoll(world, every=2)
+            for _ in range(3):  # three windows of `size`, as the engine calls it (left: micro-batches after this one)
+                for j in range(size):
+                    assert poll.poll(False, size - 1 - j) is False
+            assert poll.drain() is False
+        report[size] = len([c for c, group in zip(colls.calls, colls.groups) if group == "other"])
+    with open(os.path.join(out, f"windows{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def test_each_window_counts_its_polls_afresh(tmp_path):
+    """every=2: a window's polls sit at its 2nd, 4th, ... micro-batch and only those answered before its last start;
+    windows of 4 start none (the 2nd's answer would come at the 4th, the boundary), windows of 5 one, of 8 two, in
+    every window alike whatever the windows before left in the count."""
+    spawn(_polls_in_windows, 2, str(tmp_path), deadline_s=120)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"windows{rank}.json").read_text())
+        assert got == {"4": 0, "5": 3, "8": 6}, (rank, got)
