@@ -63,16 +63,14 @@ class StopPoll:
         window (a request not yet sent went in the window's numbers)."""
         if self.world_size == 1:
             return requested
+        if left == 0:  # the boundary: the next window counts its calls afresh (its polls at its k-th, 2k-th, ...)
+            self._calls, self._asked, self._window_t0 = 0, False, None
+            return False
         if self._timed:  # time the window from its first micro-batch's end (the step and data between windows aside)
-            if left == 0:
-                self._window_t0 = None
-            elif self._window_t0 is None:
+            if self._window_t0 is None:
                 self._window_t0, self._window_calls = time.perf_counter(), 0
             else:
                 self._window_calls += 1
-        if left == 0:  # the boundary: the next window counts its calls afresh (its polls at its k-th, 2k-th, ...)
-            self._calls, self._asked = 0, False
-            return False
         self._calls += 1
         self._asked = self._asked or requested
         if self._calls < self.every:

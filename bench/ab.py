@@ -273,8 +273,8 @@ def main() -> None:
     parser.add_argument("--variants", default="engine,hand2")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--deepspeed", type=int, default=None, metavar="STAGE")
-    parser.add_argument("--fsdp", action="store_true", help="the engine on FSDP2 (variants engine, engine2, poll, "
-                        "poll4)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help=f"the engine on FSDP2 (variants {', '.join(POLL_KWARGS)})")
     parser.add_argument("--baseline", default=None, help="the variant the others are timed against (default: hand, "
                         "alone with --deepspeed, engine with --fsdp)")
     args = parser.parse_args()
