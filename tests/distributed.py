@@ -18,10 +18,18 @@ def _entry(rank: int, world: int, init_file: str, fn, args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     fn(rank, world, *args)
-    # The ranks meet, so none leaves while a peer still talks to it, then exit at once: gloo's teardown during
-    # interpreter finalization occasionally aborts a process that has done everything ("terminate called without an
-    # active exception"; seen with plain DDP loops too). A failure in fn raises before this and is reported.
-    dist.barrier()
+    leave()
+
+
+def leave() -> None:
+    """End a rank that has done everything: the ranks meet, so none leaves while a peer still talks to it, then exit
+    at once. gloo's teardown during interpreter finalization occasionally aborts a process that has done everything
+    ("terminate called without an active exception"; seen with plain DDP loops and Accelerate's own loop too). A
+    failure raises before this and is reported."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

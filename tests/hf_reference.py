@@ -15,6 +15,8 @@ import warnings
 
 import torch
 
+from distributed import leave
+
 WORLD = 2
 MICRO = 2  # samples per micro-batch
 PER_RANK = 7  # micro-batches per rank per epoch: partial windows of 1 (factor 2) and 3 (factor 4)
@@ -198,3 +200,4 @@ def save_variants(run, out_dir: str, variants: list[str]) -> None:
     rank = int(os.environ.get("RANK", "0"))
     for variant in variants:
         torch.save(run(variant), os.path.join(out_dir, f"{variant}-{rank}.pt"))
+    leave()

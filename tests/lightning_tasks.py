@@ -19,6 +19,8 @@ import warnings
 
 import torch
 
+from distributed import leave
+
 SCHEDULE = {6: 2, 11: 4}
 EPOCHS = 12
 MICRO = 2  # samples per micro-batch
@@ -170,6 +172,7 @@ def main(out_dir: str) -> None:
             result = _fit(case, use_accum)
             name = f"{case}-{'accum' if use_accum else 'lightning'}"
             torch.save(result, os.path.join(out_dir, f"{name}-{rank}.pt"))
+    leave()
 
 
 if __name__ == "__main__":
