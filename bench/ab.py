@@ -27,7 +27,9 @@ DDP variants: ``hand`` (baseline: plain DDP, no comm hook, no_sync off the bound
 overlapping the last backward), ``hand_hook`` (the baseline with the library's counting comm hook, which wraps
 torch's Python allreduce hook: that one divides every bucket by the world size, one more pass), ``hand_sumhook``
 (the baseline with the least Python comm hook there is, a SUM all-reduce of the bucket and ``.then`` handing it
-back, the loss divided by the world size instead: what a Python hook costs by itself),
+back, the loss divided by the world size instead: what a Python hook costs by itself), ``hand_enghook`` (the
+baseline on the engine's own comm hook, carrying a window's numbers in a bucket of each boundary backward and read
+back after it: what the engine's hook costs, apart from the rest of the engine's work),
 ``stream`` / ``stream1`` / ``stream8`` (``engine`` handed the same micro-batches as a generator without
 ``len()``: the stream path at read_ahead 4 / 1 / 8;
 with ``--baseline engine`` the ratios read the stream's end agreement against the sized loader). ``--deepspeed
@@ -90,6 +92,34 @@ class HandWritten:
 
     def finish(self):
         pass
+
+
+class HandEngineHook(HandWritten):
+    """The hand-written loop with the engine's own comm hook (accum_sched.backends.ddp_hook) driving DDP's reduction:
+    it sums (the loss carries 1 / world) and carries a window's numbers (a vector of window_stats.SIZE) in a bucket
+    of every boundary backward, read back after it, as the engine does; none of the engine's other work."""
+
+    def __init__(self, ddp, optimizer, world: int):
+        from accum_sched import window_stats
+        from accum_sched.backends import ddp_hook
+
+        super().__init__(ddp, optimizer, divide=world)
+        self.hook = ddp_hook.install(ddp, self)
+        self.stats = torch.zeros(window_stats.SIZE)
+
+    def window(self, size):
+        for _ in range(size):
+            (x, y), micro_batches, boundary = next(self.batches)
+            if boundary:
+                self.hook.pending_stats = self.stats
+            with contextlib.nullcontext() if boundary else self.ddp.no_sync():
+                (sample_losses(self.ddp, x, y).mean() / (micro_batches * self.divide)).backward()
+            if boundary:
+                if self.hook.reduced_stats is None:
+                    raise RuntimeError("the window's numbers did not ride in a bucket")
+                self.hook.reduced_stats = None
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
 
 
 class DeepSpeedAlone:
@@ -198,9 +228,11 @@ def build_variant(name: str, args, w: Workload, schedule: dict):
         else:  # a DeepSpeed engine owns its optimizer
             model, optimizer = _ds_engine(w, args.deepspeed, 1), None
         return Engine(AccumulationEngine(model, optimizer, schedule, micro_batch_size=w.micro, **POLL_KWARGS[name]))
-    if name in ("hand", "hand2", "hand_hook", "hand_sumhook"):
+    if name in ("hand", "hand2", "hand_hook", "hand_sumhook", "hand_enghook"):
         model = build_model(w.model)
         ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
+        if name == "hand_enghook":
+            return HandEngineHook(ddp, make_optimizer(w, model.parameters()), w.world)
         if name == "hand_hook":  # the same loop with the counting hook (torch's dividing Python hook inside)
             from accum_sched.backends.counting import CountingState, counting_allreduce
 
@@ -219,7 +251,7 @@ def build_variant(name: str, args, w: Workload, schedule: dict):
         return wrap(AccumulationEngine(DDP(model, bucket_cap_mb=args.bucket_cap_mb),
                                        make_optimizer(w, model.parameters()), schedule, micro_batch_size=w.micro,
                                        **ENGINE_KWARGS.get(name, {})))
-    raise SystemExit(f"--variants: unknown variant {name!r} (hand2, hand_hook, hand_sumhook, compiled, "
+    raise SystemExit(f"--variants: unknown variant {name!r} (hand2, hand_hook, hand_sumhook, hand_enghook, compiled, "
                      f"{', '.join(ENGINE_KWARGS)})")
 
 
@@ -343,3 +375,5 @@ def print_table(args, w: Workload, baseline: str, names: list, factors: list, wa
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    os._exit(0)  # as launcher.worker does: skip finalization, where gloo's threads may abort the process
