@@ -434,11 +434,11 @@ class AccumulationEngine:
         self.should_stop = self._stop_requested = False
 
     def counters(self) -> dict:
-        """Counters for summaries: steps, micro-batches, elements, samples, all-reduce rounds, factor, batch."""
+        """Counters for summaries: steps, micro-batches, elements, samples, all-reduce rounds, factor, batch, polls."""
         return {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
                 "overflow_steps": self.overflow_steps, "micro_batches": self.micro_steps, "elements": self.elements,
-                "samples": self.samples,
-                "allreduce_rounds": self.allreduce_rounds, "factor": self.factor,
+                "samples": self.samples, "allreduce_rounds": self.allreduce_rounds, "factor": self.factor,
+                "stop_poll_every": None if self._stop_poll is None else self._stop_poll.interval,
                 "effective_batch": self.effective_batch, "stream_collectives": self.stream_collectives}
 
 

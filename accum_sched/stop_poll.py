@@ -55,6 +55,11 @@ class StopPoll:
         """The engine's poll: one for ``stop_at="micro_batch"``, None for ``"boundary"`` (the window's numbers)."""
         return cls(world_size, every, min_ms) if stop_at == "micro_batch" else None
 
+    @property
+    def interval(self) -> int:
+        """Micro-batches between two reads of the stop flag now: ``every`` (1 in one process: read at each one)."""
+        return 1 if self.world_size == 1 else self.every
+
     def poll(self, requested: bool, left: int | None = None) -> bool:
         """On every ``every``-th call: the answer to the poll started ``every`` calls earlier (False on the first);
         starts the next unless it is True or it would be read after the window's end (``left``: the micro-batches

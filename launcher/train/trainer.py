@@ -500,6 +500,7 @@ class Trainer:
             "elements": counters["elements"], "samples": counters["samples"],
             "allreduce_rounds": counters["allreduce_rounds"], "final_loss": None if last is None else last.loss,
             "final_factor": counters["factor"], "effective_batch": counters["effective_batch"],
+            "stop_poll_every": counters["stop_poll_every"],  # the interval the poll's time floor chose last
             "wall_seconds": round(time.time() - self.start, 3), "backend": self.cfg.distributed.backend,
             "stopped_early": bool((self.engine.should_stop and not self._reached_max_steps()) or self.early_stopped),
             **compile_stats(self.model), **training,

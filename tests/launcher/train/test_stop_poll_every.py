@@ -22,3 +22,4 @@ def test_the_trainers_engine_polls_every_n_micro_batches(tmp_path, monkeypatch):
         engine = Trainer(load_config(DEMO, sets), torch.device("cpu")).engine
         assert engine.stop_at == "micro_batch"  # as `accum-sched run` builds it
         assert (engine._stop_poll.every, engine._stop_poll.min_ms) == (every, floor)
+        assert engine.counters()["stop_poll_every"] == 1  # one process reads the flag at every micro-batch
