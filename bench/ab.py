@@ -84,11 +84,20 @@ class HandWritten:
     def window(self, size):
         for _ in range(size):
             (x, y), micro_batches, boundary = next(self.batches)
+            if boundary:
+                self.before_boundary()
             with contextlib.nullcontext() if boundary else self.ddp.no_sync():
                 (sample_losses(self.ddp, x, y).mean() / (micro_batches * self.divide)).backward()
             if boundary:
+                self.after_boundary()
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+
+    def before_boundary(self):
+        pass
+
+    def after_boundary(self):
+        pass
 
     def finish(self):
         pass
@@ -107,19 +116,13 @@ class HandEngineHook(HandWritten):
         self.hook = ddp_hook.install(ddp, self)
         self.stats = torch.zeros(window_stats.SIZE)
 
-    def window(self, size):
-        for _ in range(size):
-            (x, y), micro_batches, boundary = next(self.batches)
-            if boundary:
-                self.hook.pending_stats = self.stats
-            with contextlib.nullcontext() if boundary else self.ddp.no_sync():
-                (sample_losses(self.ddp, x, y).mean() / (micro_batches * self.divide)).backward()
-            if boundary:
-                if self.hook.reduced_stats is None:
-                    raise RuntimeError("the window's numbers did not ride in a bucket")
-                self.hook.reduced_stats = None
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+    def before_boundary(self):
+        self.hook.pending_stats = self.stats
+
+    def after_boundary(self):
+        if self.hook.reduced_stats is None:
+            raise RuntimeError("the window's numbers did not ride in a bucket")
+        self.hook.reduced_stats = None
 
 
 class DeepSpeedAlone:

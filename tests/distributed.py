@@ -7,13 +7,12 @@ import tempfile
 import time
 import warnings
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
 def _entry(rank: int, world: int, init_file: str, fn, args):
-    import torch
-    import torch.distributed as dist
-
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -26,8 +25,6 @@ def leave() -> None:
     at once. gloo's teardown during interpreter finalization occasionally aborts a process that has done everything
     ("terminate called without an active exception"; seen with plain DDP loops and Accelerate's own loop too). A
     failure raises before this and is reported."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.barrier()
     sys.stdout.flush()
