@@ -8,7 +8,8 @@ from accum_sched.schedule import AccumulationSchedule, Position
 
 __version__ = "0.1.0"
 __all__ = ["AccumulationSchedule", "AccumulationEngine", "Position", "ResumeSampler", "StepInfo", "optimizer_steps",
-           "consolidated_state_dict", "ensure_torch_extensions_dir", "InvariantBatchSampler", "InvariantCollate"]
+           "consolidated_state_dict", "ensure_torch_extensions_dir", "InvariantBatchSampler", "InvariantCollate",
+           "wrap_ddp"]
 
 
 def __getattr__(name):
@@ -25,6 +26,10 @@ def __getattr__(name):
         from accum_sched import invariant
 
         return getattr(invariant, name)
+    if name == "wrap_ddp":
+        from accum_sched.backends.ddp_carrier import wrap_ddp
+
+        return wrap_ddp
     if name in ("consolidated_state_dict", "ensure_torch_extensions_dir"):
         # the DeepSpeed back end's helpers; that module imports DeepSpeed only inside the functions that need it
         from accum_sched.backends import deepspeed

@@ -160,8 +160,9 @@ class BucketProbe(_WindowProbe):
         self.index = {id(p): i for i, p in enumerate(params)}
         self.reduced: dict[int, torch.Tensor] = {}
         if not backend.observe_buckets(self._before, self._after):
-            raise ValueError("noise_scale needs accum_sched's DDP comm hook (count_allreduce=True and no comm hook "
-                             "of your own): the local gradient is read from each bucket before its all-reduce")
+            raise ValueError("noise_scale needs accum_sched's DDP comm hook (count_allreduce=True, no comm hook "
+                             "of your own, a model not built with wrap_ddp): the local gradient is read from each "
+                             "bucket before its all-reduce")
 
     def _before(self, bucket) -> None:  # comm hook, before the all-reduce: this rank's accumulated gradient
         for param, grad in zip(bucket.parameters(), bucket.gradients()):

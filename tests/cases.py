@@ -116,14 +116,16 @@ def loss_fn_for(kind: str):
     return loss_fn
 
 
-def run_engine(case: Case, rank: int, world: int, **engine_kwargs):
-    """Train ``case`` with the engine on this rank (DDP when world > 1); return (model, engine)."""
+def run_engine(case: Case, rank: int, world: int, carrier: bool = False, **engine_kwargs):
+    """Train ``case`` with the engine on this rank (DDP when world > 1, built by ``accum_sched.wrap_ddp`` with
+    ``carrier``); return (model, engine)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from accum_sched import AccumulationEngine
+    from accum_sched import AccumulationEngine, wrap_ddp
 
     model = make_model(case)
-    wrapped = DDP(model, find_unused_parameters=case.kind == "unused") if world > 1 else model
+    wrap = wrap_ddp if carrier else DDP
+    wrapped = wrap(model, find_unused_parameters=case.kind == "unused") if world > 1 else model
     optimizer = make_optimizer(case, model)
     engine = AccumulationEngine(wrapped, optimizer, case.schedule, max_grad_norm=case.clip, **engine_kwargs)
     loss_fn = loss_fn_for(case.kind)

@@ -39,15 +39,16 @@ BUCKET_CAP_MB = 0.01  # ~2600 fp32 numbers: the 64x64 layers land in separate bu
 STOP_FLAG_READ = "accum_sched.stop_poll.StopPoll.drain"
 
 
-def _run_counted(case, rank, world, engine_kwargs, ddp_kwargs, precision="fp32"):
+def _run_counted(case, rank, world, engine_kwargs, ddp_kwargs, precision="fp32", carrier=False):
     """Train ``case`` with the engine built as the launcher's worker builds it (stop_at="micro_batch") under both
-    counters; per step: the syncs and collectives since the previous step."""
+    counters; per step: the syncs and collectives since the previous step. ``carrier``: the model built with
+    ``accum_sched.wrap_ddp`` (the window's numbers in a parameter of their own, no comm hook)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from accum_sched import AccumulationEngine
+    from accum_sched import AccumulationEngine, wrap_ddp
 
     model = cases.make_model(case)
-    wrapped = DDP(model, **ddp_kwargs) if world > 1 else model
+    wrapped = (wrap_ddp if carrier else DDP)(model, **ddp_kwargs) if world > 1 else model
     engine = AccumulationEngine(wrapped, cases.make_optimizer(case, model), case.schedule, max_grad_norm=case.clip,
                                 stop_at="micro_batch", precision=precision, **engine_kwargs)
     loss_fn = cases.loss_fn_for(case.kind)
@@ -69,7 +70,9 @@ def _run_counted(case, rank, world, engine_kwargs, ddp_kwargs, precision="fp32")
     params = sum(p.numel() for p in model.parameters())
     return model, {"steps": steps, "syncs": syncs.details, "params": params,
                    "colls": [list(c) + [g] for c, g in zip(colls.calls, colls.groups)],
-                   "micro_batches": engine.micro_steps, "optimizer_steps": engine.optimizer_steps}
+                   "micro_batches": engine.micro_steps, "optimizer_steps": engine.optimizer_steps,
+                   "comm_hooks": len(getattr(wrapped, "_comm_hooks", ())),  # DDP's list of registered comm hooks
+                   "rounds": engine.counters().get("allreduce_rounds")}
 
 
 def device_syncs(syncs: list[dict]) -> list[dict]:
@@ -105,6 +108,13 @@ def _rank_checks(rank: int, world: int, out_dir: str) -> None:
         return counts
 
     report["norm2"] = attempt(sparse_norm)
+
+    def carried():  # accum_sched.wrap_ddp: no comm hook, the numbers in DDP's own (C++) reduction
+        model, counts = _run_counted(LAYERS, rank, world, {}, {"bucket_cap_mb": BUCKET_CAP_MB}, carrier=True)
+        torch.save(cases.params(model), os.path.join(out_dir, f"carrier-{rank}.pt"))
+        return counts
+
+    report["carrier"] = attempt(carried)
     with open(os.path.join(out_dir, f"report-{rank}.json"), "w") as f:
         json.dump(report, f)
 
@@ -210,9 +220,22 @@ def test_ddp_step_has_only_its_buckets_and_one_host_sync(ranks):
 
 
 @pytest.mark.slow
+def test_wrap_ddp_step_has_only_its_buckets_and_no_comm_hook(ranks):
+    """accum_sched.wrap_ddp: the same collectives per step as with the engine's hook (the model's buckets, the
+    window's numbers inside them, nothing else), and no comm hook registered on the DDP module."""
+    _, reports = ranks
+    for rank, report in enumerate(reports):
+        counts = _ok(report, "carrier")
+        _check_steps(counts, rank)
+        assert counts["comm_hooks"] == 0 and _ok(report, "clip")["comm_hooks"] == 1  # the engine's hook, elsewhere
+        assert all(step["grad_norm"] is not None for step in counts["steps"])
+        assert counts["rounds"] == counts["optimizer_steps"]  # what it reports, against the count of the buckets
+
+
+@pytest.mark.slow
 def test_ddp_every_rank_equals_the_large_batch_reference(ranks):
     out, reports = ranks
-    for name, case in (("clip", LAYERS),
+    for name, case in (("clip", LAYERS), ("carrier", LAYERS),
                        ("norm2", cases.Case("layers-norm2", LAYERS.schedule, epochs=2, samples=(40, 38),
                                             kind="layers", lr=0.02))):
         ref = cases.params(cases.reference(case, 2))
