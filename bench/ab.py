@@ -29,7 +29,10 @@ torch's Python allreduce hook: that one divides every bucket by the world size, 
 (the baseline with the least Python comm hook there is, a SUM all-reduce of the bucket and ``.then`` handing it
 back, the loss divided by the world size instead: what a Python hook costs by itself), ``hand_enghook`` (the
 baseline on the engine's own comm hook, carrying a window's numbers in a bucket of each boundary backward and read
-back after it: what the engine's hook costs, apart from the rest of the engine's work),
+back after it: what the engine's hook costs, apart from the rest of the engine's work), ``engine_carrier`` (the
+engine on a model built with ``accum_sched.wrap_ddp``: no comm hook, the window's numbers in a parameter of their
+own that DDP's C++ reducer sums with the gradients), ``hand_carrier`` (the baseline on a ``wrap_ddp`` model,
+carrying a window's numbers as the engine does there and reading them back: what carrying costs without a hook),
 ``stream`` / ``stream1`` / ``stream8`` (``engine`` handed the same micro-batches as a generator without
 ``len()``: the stream path at read_ahead 4 / 1 / 8;
 with ``--baseline engine`` the ratios read the stream's end agreement against the sized loader). ``--deepspeed
@@ -69,6 +72,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from accum_sched import wrap_ddp  # noqa: E402
 from workload import Workload, build_model, make_optimizer, rank_data, sample_losses, windowed  # noqa: E402
 
 
@@ -87,7 +91,8 @@ class HandWritten:
             if boundary:
                 self.before_boundary()
             with contextlib.nullcontext() if boundary else self.ddp.no_sync():
-                (sample_losses(self.ddp, x, y).mean() / (micro_batches * self.divide)).backward()
+                loss = sample_losses(self.ddp, x, y).mean() / (micro_batches * self.divide)
+                (self.boundary_loss(loss) if boundary else loss).backward()
             if boundary:
                 self.after_boundary()
                 self.optimizer.step()
@@ -95,6 +100,9 @@ class HandWritten:
 
     def before_boundary(self):
         pass
+
+    def boundary_loss(self, loss):
+        return loss
 
     def after_boundary(self):
         pass
@@ -123,6 +131,27 @@ class HandEngineHook(HandWritten):
         if self.hook.reduced_stats is None:
             raise RuntimeError("the window's numbers did not ride in a bucket")
         self.hook.reduced_stats = None
+
+
+class HandCarrier(HandWritten):
+    """The hand-written loop on a model built with ``accum_sched.wrap_ddp``: DDP's own reduction (no comm hook)
+    carries a window's numbers in the carrier parameter, added to the boundary loss as the engine adds them, and
+    read back to the host after the backward (the engine's one read per step); none of the engine's other work."""
+
+    def __init__(self, ddp, optimizer, world: int):
+        from accum_sched import window_stats
+
+        super().__init__(ddp, optimizer)
+        self.world, self.carrier = world, ddp.module.window
+        self.stats = torch.ones(window_stats.SIZE)
+
+    def boundary_loss(self, loss):
+        return loss + (self.carrier * self.stats).sum()
+
+    def after_boundary(self):
+        reduced, self.carrier.grad = self.carrier.grad, None
+        if (reduced * self.world).tolist()[0] != self.world:
+            raise RuntimeError("the window's numbers did not ride in DDP's reduction")
 
 
 class DeepSpeedAlone:
@@ -231,8 +260,11 @@ def build_variant(name: str, args, w: Workload, schedule: dict):
         else:  # a DeepSpeed engine owns its optimizer
             model, optimizer = _ds_engine(w, args.deepspeed, 1), None
         return Engine(AccumulationEngine(model, optimizer, schedule, micro_batch_size=w.micro, **POLL_KWARGS[name]))
-    if name in ("hand", "hand2", "hand_hook", "hand_sumhook", "hand_enghook"):
+    if name in ("hand", "hand2", "hand_hook", "hand_sumhook", "hand_enghook", "hand_carrier"):
         model = build_model(w.model)
+        if name == "hand_carrier":
+            return HandCarrier(wrap_ddp(model, bucket_cap_mb=args.bucket_cap_mb), make_optimizer(w, model.parameters()),
+                               w.world)
         ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
         if name == "hand_enghook":
             return HandEngineHook(ddp, make_optimizer(w, model.parameters()), w.world)
@@ -251,11 +283,12 @@ def build_variant(name: str, args, w: Workload, schedule: dict):
 
             compile_module(model, {})
         wrap = StreamEngine if name.startswith("stream") else Engine
-        return wrap(AccumulationEngine(DDP(model, bucket_cap_mb=args.bucket_cap_mb),
+        ddp = (wrap_ddp if name == "engine_carrier" else DDP)(model, bucket_cap_mb=args.bucket_cap_mb)
+        return wrap(AccumulationEngine(ddp,
                                        make_optimizer(w, model.parameters()), schedule, micro_batch_size=w.micro,
                                        **ENGINE_KWARGS.get(name, {})))
-    raise SystemExit(f"--variants: unknown variant {name!r} (hand2, hand_hook, hand_sumhook, hand_enghook, compiled, "
-                     f"{', '.join(ENGINE_KWARGS)})")
+    raise SystemExit(f"--variants: unknown variant {name!r} (hand2, hand_hook, hand_sumhook, hand_enghook, "
+                     f"hand_carrier, compiled, {', '.join(ENGINE_KWARGS)})")
 
 
 def _run_poll() -> dict:
@@ -272,8 +305,8 @@ def _run_poll() -> dict:
 POLL_KWARGS = {"engine": {}, "engine2": {}, "poll": _run_poll(), "poll1": {"stop_at": "micro_batch"},
                "poll4": {"stop_at": "micro_batch", "stop_poll_every": 4}}
 ENGINE_KWARGS = {"engine": {}, "engine2": {}, "engine_norm": {"norm_every": 1},
-                 "engine_nohook": {"count_allreduce": False}, "stream": {}, "stream1": {"read_ahead": 1},
-                 "stream8": {"read_ahead": 8}}
+                 "engine_nohook": {"count_allreduce": False}, "engine_carrier": {}, "stream": {},
+                 "stream1": {"read_ahead": 1}, "stream8": {"read_ahead": 8}}
 
 
 def run_epoch(variants: dict, loader, factor: int, epoch: int, batches: int, order: random.Random) -> tuple[dict, dict]:
