@@ -6,7 +6,8 @@
 Three loops over the same 200 micro-batches of 4 samples: ``hand`` (DDP's own C++ reduction, mean loss),
 ``sumhook`` (the same with the least Python comm hook: a SUM all-reduce and ``.then``; the loss carries
 ``1 / world``) and ``engine`` (AccumulationEngine with ``micro_batch_size`` given: its comm hook, the window's
-numbers riding in the bucket, one read per step). Each round runs every loop once, in an order shuffled per round
+numbers riding in the bucket, one read per step) and ``carrier`` (the same engine on an
+``accum_sched.wrap_ddp`` model: no comm hook, the numbers in DDP's own reduction). Each round runs every loop once, in an order shuffled per round
 (the same on every rank); the first two rounds are dropped. Printed on rank 0: the median CPU (this process, all
 threads) and wall microseconds per step.
 """
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from accum_sched import AccumulationEngine
+from accum_sched import AccumulationEngine, wrap_ddp
 
 
 def _reduced(fut):
@@ -47,16 +48,17 @@ def loops(batches: list, world: int) -> dict:
                 optimizer.zero_grad(set_to_none=True)
         return run
 
-    def engine():
-        model = DDP(torch.nn.Linear(8, 1))
-        eng = AccumulationEngine(model, torch.optim.SGD(model.parameters(), lr=0.01), 1, micro_batch_size=4)
+    def engine(carrier: bool):
+        layer = torch.nn.Linear(8, 1)
+        model = wrap_ddp(layer) if carrier else DDP(layer)
+        eng = AccumulationEngine(model, torch.optim.SGD(layer.parameters(), lr=0.01), 1, micro_batch_size=4)
 
         def run(epoch):
             for x, y in eng.micro_batches(batches, epoch):
                 eng.backward(((model(x) - y) ** 2).sum(-1).sum(), x.shape[0])
         return run
 
-    return {"hand": hand(False), "sumhook": hand(True), "engine": engine()}
+    return {"hand": hand(False), "sumhook": hand(True), "engine": engine(False), "carrier": engine(True)}
 
 
 def main() -> None:
