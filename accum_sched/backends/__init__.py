@@ -8,7 +8,7 @@ module             what
 ``detect``         those predicates, import-free (DeepSpeed by name, FSDP2 through ``sys.modules``)
 ``torch_optim``    :class:`TorchBackend`: gradients in ``.grad``, a torch optimizer (base of the next three)
 ``single``         one process
-``ddp``            DistributedDataParallel with ``no_sync``, and its comm hook (``ddp_hook``)
+``ddp``            DistributedDataParallel with ``no_sync``, its comm hook (``ddp_hook``) or carrier (``ddp_carrier``)
 ``fsdp``           FSDP2 (``fully_shard``), imported only for an FSDP2 model
 ``deepspeed``      a DeepSpeedEngine, imported only for one (DeepSpeed itself only inside its functions)
 ``counting``       a counting-only DDP comm hook for hand-written loops (benchmarks, tests)
