@@ -3,12 +3,12 @@
     torchrun --standalone --nproc_per_node 1 bench/step_overhead.py [--steps 200] [--rounds 12]
     torchrun --standalone --nproc_per_node 2 bench/step_overhead.py
 
-Three loops over the same 200 micro-batches of 4 samples: ``hand`` (DDP's own C++ reduction, mean loss),
+Four loops over the same 200 micro-batches of 4 samples: ``hand`` (DDP's own C++ reduction, mean loss),
 ``sumhook`` (the same with the least Python comm hook: a SUM all-reduce and ``.then``; the loss carries
-``1 / world``) and ``engine`` (AccumulationEngine with ``micro_batch_size`` given: its comm hook, the window's
-numbers riding in the bucket, one read per step) and ``carrier`` (the same engine on an
-``accum_sched.wrap_ddp`` model: no comm hook, the numbers in DDP's own reduction). Each round runs every loop once, in an order shuffled per round
-(the same on every rank); the first two rounds are dropped. Printed on rank 0: the median CPU (this process, all
+``1 / world``), ``engine`` (AccumulationEngine with ``micro_batch_size`` given: its comm hook, the window's
+numbers riding in the bucket, one read per step) and ``carrier`` (the same engine on an ``accum_sched.wrap_ddp``
+model: no comm hook, the numbers in DDP's own reduction). Each round runs every loop once, in an order shuffled per
+round (the same on every rank); the first two rounds are dropped. Printed on rank 0: the median CPU (this process, all
 threads) and wall microseconds per step.
 """
 from __future__ import annotations
