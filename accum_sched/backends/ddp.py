@@ -72,10 +72,10 @@ class DDPBackend(TorchBackend):
         # counts ride in a bucket only where its dtype holds them exactly (window_stats: fp32 or wider)
         self._stats_in_bucket = (self._carrier is None and self.hook is not None
                                  and dtypes <= {torch.float32, torch.float64})
-        self._stats_group = None if self._stats_in_bucket or self._carrier is not None else collective.stats_group()
-        self.stats_dtype = torch.float32 if self._stats_in_bucket or self._carrier is not None else torch.float64
-        self.capabilities = dataclasses.replace(
-            self.capabilities, stats_in_gradient_collective=self._stats_in_bucket or self._carrier is not None)
+        in_gradients = self._stats_in_bucket or self._carrier is not None  # in the gradient collective (fp32)
+        self._stats_group = None if in_gradients else collective.stats_group()
+        self.stats_dtype = torch.float32 if in_gradients else torch.float64
+        self.capabilities = dataclasses.replace(self.capabilities, stats_in_gradient_collective=in_gradients)
         # The hook's bucket norms cover every DDP parameter; use them only when those are the optimizer's.
         ddp_elements = sum(p.numel() for p in model.parameters() if p.requires_grad)
         opt_elements = sum(p.numel() for group in optimizer.param_groups for p in group["params"])

@@ -1,13 +1,14 @@
 """A DDP model whose window numbers ride in DDP's own reduction, with no comm hook: :func:`wrap_ddp`.
 
 The engine's comm hook (:mod:`.ddp_hook`) carries the window's numbers in a bucket without a collective of their
-own, but a Python comm hook costs: torch hands its result back through a Python callback on the process group's
-thread, one per bucket per step (issue 39: 1-3% of the CPU of a step of a 1M-parameter model on two CPU ranks).
-:func:`wrap_ddp` instead gives the model one more parameter, :attr:`WindowCarrier.window`, of
-:data:`accum_sched.window_stats.SIZE` elements, which DDP reduces with the model's gradients in its C++ reducer. At
-the window's last backward the engine adds ``dot(window, numbers)`` to the loss: the gradient of that parameter is
-then exactly this rank's numbers (the loss's own gradient is untouched), and DDP returns their mean over ranks in
-``window.grad``. Non-boundary micro-batches run under ``no_sync()`` and leave the parameter alone.
+own, but it is Python: torch hands each bucket's result back through a Python callback on the process group's
+thread, one per bucket per step. :func:`wrap_ddp` instead gives the model one more parameter,
+:attr:`WindowCarrier.window`, of :data:`accum_sched.window_stats.SIZE` elements, which DDP reduces with the model's
+gradients in its C++ reducer. At the window's last backward the engine adds ``sum(window * numbers)`` to the loss:
+the gradient of that parameter is then exactly this rank's numbers (the loss's own gradient is untouched), and DDP
+returns their mean over ranks in ``window.grad``. Non-boundary micro-batches run under ``no_sync()`` and leave the
+parameter alone. Measured on two CPU ranks (docs/performance.md), a step costs the same as on the hook: no Python
+on the communication thread, but DDP's own reduction and the carrier's few tensor operations instead.
 
 What it asks of the caller: the engine makes every synchronised backward (``find_unused_parameters=False``, so
 DDP expects a gradient for every parameter in each one), and the model is built with :func:`wrap_ddp` before DDP
