@@ -53,7 +53,8 @@ class DDPBackend(TorchBackend):
                              "parameter unused in the forward and refuse its gradient in the backward)")
         self._pending = None  # carrier: this window's numbers, added to the loss of its last backward
         self._rounds = 0  # carrier: synchronised backwards (one round of every bucket each)
-        self._round_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        self._round_bytes = 0 if self._carrier is None else sum(  # carrier: what one round reduces
+            p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         # the hook of an earlier engine on this model stays registered (DDP cannot remove it) and sums without
         # dividing: this engine must drive it even with count_allreduce=False, or its gradients would be world x
         if self._carrier is None and (count_allreduce or ddp_hook.installed(model)):
@@ -102,15 +103,17 @@ class DDPBackend(TorchBackend):
             self._stats_work = collective.all_sum_async(stats, group=self._stats_group)
 
     def backward(self, loss: torch.Tensor) -> None:
-        if self._pending is None:
-            return super().backward(loss)
+        # TorchBackend.backward's two steps, with the carrier's term between them (no super() call: this runs for
+        # every micro-batch on every DDP model)
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
-        # d(loss + sum(window * numbers)) / d window = numbers, exactly; the loss's own gradient is unchanged (mul
-        # and sum, not dot: no autocast list lowers them, so the numbers stay fp32)
-        pending, self._pending = self._pending, None
-        (loss + (self._carrier * pending).sum()).backward()
-        self._rounds += 1
+        if self._pending is not None:  # wrap_ddp, the window's last backward
+            # d(loss + sum(window * numbers)) / d window = numbers, exactly; the loss's own gradient is unchanged
+            # (mul and sum, not dot: no autocast list lowers them, so the numbers stay fp32)
+            pending, self._pending = self._pending, None
+            loss = loss + (self._carrier * pending).sum()
+            self._rounds += 1
+        loss.backward()
 
     def window_totals(self, want_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._carrier is not None:
